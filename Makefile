@@ -1,0 +1,39 @@
+# `make test` and `make demo` each build their own virtualenv from nothing but a Python >= 3.10.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP_FLAGS ?= --quiet --disable-pip-version-check
+
+.PHONY: test lint typecheck unit test-matrix bench demo clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install $(PIP_FLAGS) --upgrade pip
+	$(BIN)/pip install $(PIP_FLAGS) -e '.[dev]'
+	touch $@
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check middleware tests benchmarks sample_app
+	$(BIN)/ruff format --check middleware tests benchmarks sample_app
+
+typecheck: $(BIN)/.installed
+	$(BIN)/mypy
+
+unit: $(BIN)/.installed
+	$(BIN)/pytest -q -p no:cacheprovider
+
+# The label engine leans on CPython internals that move between versions: run its tests on every
+# CPython >= 3.10 that pyenv (or PATH) offers, each in its own virtualenv.
+test-matrix: $(BIN)/.installed
+	$(BIN)/python tools/test_matrix.py
+
+test: lint typecheck unit test-matrix
+
+bench: $(BIN)/.installed
+	$(BIN)/python -m benchmarks.run --write docs/benchmarks.md
+
+demo: $(BIN)/.installed
+	$(BIN)/python -m sample_app.demo
+
+clean:
+	rm -rf $(VENV) .venv-* .mypy_cache .ruff_cache .pytest_cache

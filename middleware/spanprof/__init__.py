@@ -1,0 +1,31 @@
+"""spanprof: exact per-request profile labels for Python web apps.
+
+Profiles and traces point at each other: every sample of a request carries its ``span_id``,
+``trace_id`` and route, and its server span carries ``pyroscope.profile.id``.
+"""
+
+from __future__ import annotations
+
+from ._asgi import FROM_ENV, ProfilingMiddleware
+from ._backend import ProfilerBackend
+from ._engine import install_label_engine, installed_backend, uninstall_label_engine
+from ._labelset import LabelSet
+from ._pyroscope import PyroscopeBackend
+from ._recorder import RecorderBackend
+from ._scope import current_labels, profile_labels
+
+__all__ = [
+    "FROM_ENV",
+    "LabelSet",
+    "ProfilerBackend",
+    "ProfilingMiddleware",
+    "PyroscopeBackend",
+    "RecorderBackend",
+    "current_labels",
+    "install_label_engine",
+    "installed_backend",
+    "profile_labels",
+    "uninstall_label_engine",
+]
+
+__version__ = "0.1.0"

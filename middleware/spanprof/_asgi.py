@@ -1,0 +1,196 @@
+"""``ProfilingMiddleware``: one server span per request, and its labels on every sample."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+from opentelemetry.metrics import NoOpMeterProvider
+from opentelemetry.trace import TracerProvider
+
+from ._backend import ProfilerBackend
+from ._config import parse_bool
+from ._engine import attach_loop
+from ._logging import log_once
+from ._pyroscope import PyroscopeBackend
+from ._routes import UNMATCHED, span_name, starlette_route_template
+from ._runtime import ProfilerRuntime
+from ._scope import labels_scope
+from ._spanlabels import annotate_span, is_server_span, request_labels
+from ._types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["FROM_ENV", "ProfilingMiddleware"]
+
+
+class _FromEnv:
+    def __repr__(self) -> str:
+        return "FROM_ENV"
+
+
+FROM_ENV: Any = _FromEnv()
+"""Default of ``profiler=``: a ``PyroscopeBackend`` if ``PYROSCOPE_SERVER_ADDRESS`` is set."""
+
+# (span name, route template) of the request entering the OpenTelemetry layer.
+_ROUTE: ContextVar[tuple[str, str | None]] = ContextVar("spanprof.route", default=("", None))
+
+
+def _span_details(scope: Scope) -> tuple[str, dict[str, Any]]:
+    name, template = _ROUTE.get()
+    return name, ({"http.route": template} if template is not None else {})
+
+
+class _Labelled:
+    """Runs inside the server span: label the request, then call the app."""
+
+    def __init__(self, app: ASGIApp, *, with_trace_id: bool) -> None:
+        self.app = app
+        self.with_trace_id = with_trace_id
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        name, template = _ROUTE.get()
+        await self.run(scope, receive, send, trace.get_current_span(), name, template)
+
+    async def run(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        span: trace.Span,
+        name: str,
+        template: str | None,
+    ) -> None:
+        labels = request_labels(span, name, with_trace_id=self.with_trace_id)
+        annotate_span(span, labels, template)
+        with labels_scope(labels):
+            await self.app(scope, receive, send)
+
+
+class ProfilingMiddleware:
+    """ASGI middleware: a server span per request and exact profile labels for its code.
+
+    Every ``http`` and ``websocket`` request gets one SERVER span (through OpenTelemetry's ASGI
+    instrumentation, or the server span another instrumentation already made current) and runs
+    with the labels ``span_id``, ``trace_id`` and ``span_name`` (``GET /items/{item_id}``). Child
+    tasks and thread-pool work inherit them, and the label engine keeps the profiler's
+    per-thread labels equal to them whenever the request's code runs.
+
+    ```python
+    app = FastAPI()
+    app.add_middleware(spanprof.ProfilingMiddleware)  # PYROSCOPE_SERVER_ADDRESS=http://...:4040
+    ```
+
+    Arguments:
+        app: the ASGI application.
+        profiler: a ``ProfilerBackend``; default: ``PyroscopeBackend.from_env()`` (no profiler
+            when ``PYROSCOPE_SERVER_ADDRESS`` is unset); ``None``: labels without a profiler.
+            It is started at lifespan startup (after fork) or on the first request, and shut
+            down (last window flushed) at lifespan shutdown.
+        tracer_provider: the OpenTelemetry tracer provider (default: the global one).
+        trace_id_label: label samples with ``trace_id`` too (default ``True``, or
+            ``SPANPROF_TRACE_ID_LABEL``); turn off for Pyroscope servers older than 2.0.3,
+            where ``trace_id`` becomes a series label.
+        route_resolver: ``scope -> template or None`` for non-Starlette apps; default: match
+            the Starlette/FastAPI routes of the app.
+        excluded_urls: comma-separated URL patterns to leave untraced (OpenTelemetry syntax).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        profiler: ProfilerBackend | None = FROM_ENV,
+        tracer_provider: TracerProvider | None = None,
+        trace_id_label: bool | None = None,
+        route_resolver: Callable[[Scope], str | None] | None = None,
+        excluded_urls: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        env = os.environ if environ is None else environ
+        self.app = app
+        backend = PyroscopeBackend.from_env(env) if profiler is FROM_ENV else profiler
+        if backend is not None and not isinstance(backend, ProfilerBackend):
+            raise ValueError(
+                "profiler: expected a ProfilerBackend (start, shutdown, set_thread_labels), "
+                f"got {backend!r}"
+            )
+        self._runtime = ProfilerRuntime(backend)
+        if trace_id_label is None:
+            raw = env.get("SPANPROF_TRACE_ID_LABEL")
+            trace_id_label = True if raw is None else parse_bool("SPANPROF_TRACE_ID_LABEL", raw)
+        self._resolve = route_resolver
+        self._labelled = _Labelled(app, with_trace_id=trace_id_label)
+        self._traced = OpenTelemetryMiddleware(
+            self._labelled,
+            excluded_urls=excluded_urls,
+            default_span_details=_span_details,
+            tracer_provider=tracer_provider,
+            # spanprof records its own request-duration histogram; OTel's would duplicate it.
+            meter_provider=NoOpMeterProvider(),
+            exclude_spans=["receive", "send"],
+        )
+
+    @property
+    def profiler(self) -> ProfilerBackend | None:
+        """The backend this middleware starts and stops."""
+        return self._runtime.backend
+
+    def _template(self, scope: Scope) -> str | None:
+        try:
+            if self._resolve is not None:
+                return self._resolve(scope)
+            return starlette_route_template(dict(scope), self.app)
+        except Exception:
+            log_once(
+                "route-resolver",
+                "spanprof: resolving the route template failed; requests are named "
+                f"'{UNMATCHED}' (logged once)",
+            )
+            return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind != "http" and kind != "websocket":
+            if kind == "lifespan":
+                await self._lifespan(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        self._runtime.ensure_started()
+        attach_loop()
+        template = self._template(scope)
+        method = scope.get("method") or "WEBSOCKET"
+        name = span_name(method, template if template is not None else UNMATCHED)
+        current = trace.get_current_span()
+        if is_server_span(current):
+            # FastAPIInstrumentor or opentelemetry-instrument already opened the server span.
+            if template is not None and current.is_recording():
+                current.update_name(name)
+            await self._labelled.run(scope, receive, send, current, name, template)
+            return
+        token = _ROUTE.set((name, template))
+        try:
+            await self._traced(scope, receive, send)
+        finally:
+            _ROUTE.reset(token)
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        runtime = self._runtime
+
+        async def lifespan_receive() -> Message:
+            message = await receive()
+            if message.get("type") == "lifespan.startup":
+                # Lifespan startup runs in each worker after any fork: the right moment.
+                runtime.start()
+                attach_loop()
+            return message
+
+        async def lifespan_send(message: Message) -> None:
+            if message.get("type") in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+                runtime.stop()
+            await send(message)
+
+        await self.app(scope, lifespan_receive, lifespan_send)

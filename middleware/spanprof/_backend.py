@@ -1,0 +1,31 @@
+"""The profiler backend protocol: where the label engine sends each thread's labels."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from ._labelset import LabelSet
+
+__all__ = ["ProfilerBackend"]
+
+
+@runtime_checkable
+class ProfilerBackend(Protocol):
+    """A profiler that attributes samples to labels.
+
+    The label engine calls ``set_thread_labels`` **on the thread concerned**, only when that
+    thread's label set changes, with the set it had and the set it has now. ``start`` runs once
+    per process (after any fork) before the first label push; ``shutdown`` flushes and stops.
+
+    Implementations must be cheap in ``set_thread_labels`` (it runs between asyncio task steps)
+    and may raise: the engine logs a backend failure once and never lets it reach a request.
+    """
+
+    def start(self) -> None:
+        """Start profiling this process."""
+
+    def shutdown(self) -> None:
+        """Flush what was collected and stop profiling."""
+
+    def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
+        """The calling thread switched from ``previous`` labels to ``current`` labels."""

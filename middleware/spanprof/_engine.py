@@ -1,0 +1,338 @@
+"""The label engine: keeps each thread's profiler labels equal to the context running on it.
+
+The profiler attributes a sample to the labels of the *OS thread* it was taken on, but labels
+live in a ContextVar, and on an event loop one thread runs many contexts in turn. So the engine
+hooks every place where a thread starts running code of another context and, only when the label
+set differs from what that thread last pushed, tells the backend:
+
+- asyncio: ``Handle._run`` (every task step and callback runs in its handle's context);
+- loops whose handles are compiled (uvloop): a task factory whose coroutine proxy re-syncs on
+  every ``send``/``throw``; the same factory re-syncs after eager tasks (3.12+) ran their first
+  step inside the creating call;
+- thread pools: ``ThreadPoolExecutor.submit`` (so ``loop.run_in_executor`` and
+  ``asyncio.to_thread``) and ``anyio.to_thread.run_sync`` (Starlette's ``run_in_threadpool``)
+  run the job with the submitter's labels and clear the worker's labels afterwards;
+- code that sets labels itself (``profile_labels``, the middlewares) calls ``sync()``, because a
+  ``ContextVar.set`` fires no hook.
+
+Nothing is patched at import time: ``install_label_engine`` patches, ``uninstall_label_engine``
+restores the originals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import os
+import threading
+import weakref
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, TypeVar
+
+from ._backend import ProfilerBackend
+from ._labelset import EMPTY, LABELS, LabelSet
+from ._logging import log_once
+
+__all__ = [
+    "apply",
+    "attach_loop",
+    "install_label_engine",
+    "installed_backend",
+    "run_labelled",
+    "sync",
+    "uninstall_label_engine",
+]
+
+T = TypeVar("T")
+
+
+class _ThreadState(threading.local):
+    # What the backend was last told for this thread.
+    labels: LabelSet = EMPTY
+
+
+_tls = _ThreadState()
+_backend: ProfilerBackend | None = None
+_lock = threading.RLock()
+_restore: list[Callable[[], None]] = []
+_fork_hook_registered = False
+
+
+def apply(labels: LabelSet) -> None:
+    """The calling thread now runs with ``labels``: push them if that is a change."""
+    state = _tls
+    previous = state.labels
+    if labels is previous:
+        return
+    state.labels = labels
+    backend = _backend
+    if backend is None or labels == previous:
+        return
+    try:
+        backend.set_thread_labels(previous, labels)
+    except Exception:
+        log_once(
+            f"backend-labels-{id(backend)}",
+            "spanprof: the profiler backend failed to switch labels; samples may be "
+            "misattributed until it recovers (logged once)",
+        )
+
+
+def sync() -> None:
+    """Push the current context's labels for the calling thread (after a ``LABELS.set``)."""
+    apply(LABELS.get())
+
+
+def installed_backend() -> ProfilerBackend | None:
+    """The backend the engine currently feeds, or ``None`` when it is not installed."""
+    return _backend
+
+
+# --- asyncio handles -------------------------------------------------------------------------
+
+_orig_handle_run: Callable[[asyncio.Handle], None] = asyncio.Handle._run
+
+
+def _handle_run(self: asyncio.Handle) -> None:
+    # Hot path: one context lookup and one identity check per callback.
+    labels = self._context.get(LABELS, EMPTY)  # type: ignore[attr-defined]
+    if labels is not _tls.labels:
+        apply(labels)
+    _orig_handle_run(self)
+
+
+# --- task factory for loops whose handles we cannot patch ------------------------------------
+
+
+class _LabelledCoroutine:
+    """A coroutine proxy that syncs labels before each step of the wrapped coroutine.
+
+    Task steps run inside the task's context, so ``LABELS.get()`` here is the task's labels.
+    """
+
+    __slots__ = ("__weakref__", "_coro")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._coro = coro
+
+    def send(self, value: Any) -> Any:
+        labels = LABELS.get()
+        if labels is not _tls.labels:
+            apply(labels)
+        return self._coro.send(value)
+
+    def __next__(self) -> Any:
+        return self.send(None)
+
+    def throw(self, *args: Any) -> Any:
+        labels = LABELS.get()
+        if labels is not _tls.labels:
+            apply(labels)
+        return self._coro.throw(*args)
+
+    def close(self) -> None:
+        self._coro.close()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self
+
+    def __iter__(self) -> _LabelledCoroutine:
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        # cr_frame, cr_running, cr_await, __qualname__...: inspect.getcoroutinestate, anyio and
+        # asyncio's repr read these from the task's coroutine.
+        return getattr(self._coro, name)
+
+    def __repr__(self) -> str:
+        return repr(self._coro)
+
+
+Coroutine.register(_LabelledCoroutine)
+
+_TaskFactory = Callable[..., "asyncio.Future[Any]"]
+
+
+class _LabelTaskFactory:
+    """Wraps a loop's task factory (or the default one) for the label engine."""
+
+    __slots__ = ("inner", "wrap_coroutines")
+
+    def __init__(self, inner: _TaskFactory | None, *, wrap_coroutines: bool) -> None:
+        self.inner = inner
+        self.wrap_coroutines = wrap_coroutines
+
+    def __call__(
+        self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
+    ) -> asyncio.Future[Any]:
+        engaged = _backend is not None
+        if engaged and self.wrap_coroutines:
+            coro = _LabelledCoroutine(coro)
+        task: asyncio.Future[Any]
+        if self.inner is None:
+            task = asyncio.Task(coro, loop=loop, **kwargs)
+        else:
+            task = self.inner(loop, coro, **kwargs)
+        if engaged:
+            # An eager task ran its first step inside this call and may have left its own labels
+            # on the thread; the caller continues in its own context.
+            sync()
+        return task
+
+
+_seen_loop: weakref.ReferenceType[asyncio.AbstractEventLoop] | None = None
+
+
+def attach_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Hook ``loop`` (default: the running loop) if its handles cannot be patched.
+
+    Pure-Python asyncio loops need nothing unless they use a task factory (eager tasks). uvloop
+    and other compiled loops get a task factory whose coroutines sync labels on every step.
+    Cheap to call on every request: it remembers the last loop it saw.
+    """
+    global _seen_loop
+    if _backend is None:
+        return
+    if loop is None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+    if _seen_loop is not None and _seen_loop() is loop:
+        return
+    factory = loop.get_task_factory()
+    if not isinstance(factory, _LabelTaskFactory):
+        python_handles = isinstance(loop, asyncio.BaseEventLoop)
+        if not python_handles or factory is not None:
+            loop.set_task_factory(
+                _LabelTaskFactory(factory, wrap_coroutines=not python_handles)  # type: ignore[arg-type]
+            )
+    try:
+        _seen_loop = weakref.ref(loop)
+    except TypeError:  # a loop type without weak references: just re-check next time
+        _seen_loop = None
+
+
+def _detach_loop(loop: asyncio.AbstractEventLoop) -> None:
+    factory = loop.get_task_factory()
+    if isinstance(factory, _LabelTaskFactory):
+        loop.set_task_factory(factory.inner)
+
+
+# --- thread pools ------------------------------------------------------------------------------
+
+
+def run_labelled(labels: LabelSet, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """Run ``fn`` on this thread with ``labels``, then restore the thread's own labels."""
+    # What the thread ran with before the job, not what the context says after it: anyio and
+    # asyncio.to_thread run the job inside a copied context that still holds the labels.
+    previous = _tls.labels
+    token = LABELS.set(labels)
+    try:
+        apply(labels)
+        return fn(*args, **kwargs)
+    finally:
+        LABELS.reset(token)
+        apply(previous)
+
+
+_orig_submit = concurrent.futures.ThreadPoolExecutor.submit
+
+
+def _submit(
+    self: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+) -> concurrent.futures.Future[T]:
+    labels = LABELS.get()
+    if labels:
+        return _orig_submit(self, run_labelled, labels, fn, *args, **kwargs)
+    return _orig_submit(self, fn, *args, **kwargs)
+
+
+def _patch_anyio() -> Callable[[], None] | None:
+    try:
+        import anyio.to_thread
+    except ImportError:  # anyio is optional: without it there is nothing to patch
+        return None
+    module = anyio.to_thread
+    original = module.run_sync
+
+    @functools.wraps(original)
+    async def run_sync(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        labels = LABELS.get()
+        if labels:
+            func = functools.partial(run_labelled, labels, func)
+        return await original(func, *args, **kwargs)
+
+    module.run_sync = run_sync  # type: ignore[assignment]
+
+    def restore() -> None:
+        module.run_sync = original
+
+    return restore
+
+
+# --- install / uninstall -----------------------------------------------------------------------
+
+
+def _install_patches() -> None:
+    setattr(asyncio.Handle, "_run", _handle_run)  # noqa: B010 - a method swap mypy forbids
+    _restore.append(lambda: setattr(asyncio.Handle, "_run", _orig_handle_run))
+    concurrent.futures.ThreadPoolExecutor.submit = _submit  # type: ignore[method-assign,assignment]
+    _restore.append(lambda: setattr(concurrent.futures.ThreadPoolExecutor, "submit", _orig_submit))
+    restore_anyio = _patch_anyio()
+    if restore_anyio is not None:
+        _restore.append(restore_anyio)
+
+
+def _after_fork_in_child() -> None:
+    global _tls, _seen_loop
+    # Only the forking thread survives; whatever the parent's backend was told is not true for
+    # the child's profiler, which starts fresh.
+    _tls = _ThreadState()
+    _seen_loop = None
+
+
+def install_label_engine(backend: ProfilerBackend) -> None:
+    """Feed ``backend`` with every thread's label switches, patching the runtime once.
+
+    Installing again with the same backend does nothing; with another backend, the engine
+    switches to it (threads re-push their labels on their next switch). Also hooks the running
+    event loop, if called from one.
+    """
+    global _backend, _tls, _fork_hook_registered, _seen_loop
+    with _lock:
+        if _backend is backend:
+            attach_loop()
+            return
+        if not _restore:
+            _install_patches()
+        if not _fork_hook_registered:
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _fork_hook_registered = True
+        _tls = _ThreadState()
+        _seen_loop = None
+        _backend = backend
+    attach_loop()
+    sync()
+
+
+def uninstall_label_engine() -> None:
+    """Restore everything ``install_label_engine`` patched and stop feeding the backend.
+
+    The calling thread's labels are cleared on the backend first. Loops other than the running
+    one keep a pass-through task factory until they close.
+    """
+    global _backend, _tls, _seen_loop
+    with _lock:
+        if _backend is None:
+            return
+        apply(EMPTY)
+        while _restore:
+            _restore.pop()()
+        with contextlib.suppress(RuntimeError):  # not called from a running loop
+            _detach_loop(asyncio.get_running_loop())
+        _backend = None
+        _tls = _ThreadState()
+        _seen_loop = None

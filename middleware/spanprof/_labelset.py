@@ -1,0 +1,126 @@
+"""Immutable label sets and the one ContextVar that carries them.
+
+The label set a piece of code runs with is the value of ``LABELS`` in its context. Everything
+else in spanprof (the middleware, ``profile_labels``, the label engine) reads or sets that one
+variable, so asyncio tasks, ``contextvars.copy_context`` and thread-pool hand-offs inherit labels
+exactly as they inherit any other context.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
+
+__all__ = [
+    "EMPTY",
+    "LABELS",
+    "RESERVED_KEYS",
+    "LabelSet",
+    "sanitize_value",
+    "validate_key",
+]
+
+# Pyroscope (like Prometheus) accepts label names matching this; anything else is rejected at
+# ingest, which would silently drop every sample of the upload.
+_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+# Keys spanprof owns, or that Pyroscope itself uses for series identity.
+RESERVED_KEYS = frozenset({"span_id", "trace_id", "span_name", "service_name", "__name__"})
+
+MAX_KEY_LENGTH = 128
+MAX_VALUE_LENGTH = 256
+
+# Characters that survive every Pyroscope ingest path (push API and the legacy `name{k=v}`
+# query syntax): printable ASCII minus quotes, backslash, `=` and `,`. Braces stay allowed because
+# route templates (`/items/{item_id}`) are the documented `span_name` format and the push API
+# carries values as opaque protobuf strings.
+_UNSAFE_VALUE_RE = re.compile(r"[^\x21-\x7e ]|[\"'\\=,]")
+
+
+def validate_key(key: str, *, setting: str = "label key", allow_reserved: bool = False) -> str:
+    """Return ``key`` if Pyroscope accepts it as a label name, else raise ``ValueError``."""
+    if not isinstance(key, str) or not _KEY_RE.match(key) or len(key) > MAX_KEY_LENGTH:
+        raise ValueError(
+            f"{setting}: {key!r} is not a valid profile label name; use letters, digits and "
+            f"underscores, not starting with a digit, at most {MAX_KEY_LENGTH} characters"
+        )
+    if key.startswith("__") or (not allow_reserved and key in RESERVED_KEYS):
+        raise ValueError(
+            f"{setting}: {key!r} is reserved (spanprof sets span_id, trace_id and span_name "
+            "itself; service_name and keys starting with '__' belong to Pyroscope)"
+        )
+    return key
+
+
+def sanitize_value(value: object) -> str:
+    """Turn any value into a label value Pyroscope accepts: safe ASCII, bounded length."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) > MAX_VALUE_LENGTH:
+        text = text[:MAX_VALUE_LENGTH]
+    if _UNSAFE_VALUE_RE.search(text):
+        text = _UNSAFE_VALUE_RE.sub("_", text)
+    return text
+
+
+class LabelSet(Mapping[str, str]):
+    """An immutable, hashable set of profile labels (``key -> value``).
+
+    Label sets are compared by content, but the label engine first compares them by identity:
+    a request keeps one ``LabelSet`` object for its whole life, so the common "labels did not
+    change between two task steps" check is a single pointer comparison.
+    """
+
+    __slots__ = ("_hash", "_items", "_map")
+
+    _map: dict[str, str]
+    _items: tuple[tuple[str, str], ...]
+    _hash: int
+
+    def __init__(self, items: Mapping[str, str] | Iterable[tuple[str, str]] = ()) -> None:
+        mapping = dict(items.items() if isinstance(items, Mapping) else items)
+        self._map = mapping
+        self._items = tuple(sorted(mapping.items()))
+        self._hash = hash(self._items)
+
+    def merged(self, other: Mapping[str, str]) -> LabelSet:
+        """Return a new set with ``other``'s labels laid over this one's."""
+        if not other:
+            return self
+        combined = dict(self._map)
+        combined.update(other)
+        return LabelSet(combined)
+
+    def __getitem__(self, key: str) -> str:
+        return self._map[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._map
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LabelSet):
+            return self._items == other._items
+        return Mapping.__eq__(self, other)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self._items)
+        return f"LabelSet({inner})"
+
+    @property
+    def items_tuple(self) -> tuple[tuple[str, str], ...]:
+        """The labels as a sorted tuple of pairs, ready for a profile encoder."""
+        return self._items
+
+
+EMPTY = LabelSet()
+
+LABELS: ContextVar[LabelSet] = ContextVar("spanprof.labels", default=EMPTY)

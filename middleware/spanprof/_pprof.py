@@ -1,0 +1,549 @@
+"""pprof (``perftools.profiles.Profile``) codec without third-party dependencies.
+
+The model is deliberately symbolic: a sample is a stack of ``Frame`` objects
+(function, file, line), not addresses and mappings, because that is all a Python
+profiler produces and all the UI needs. Locations with several ``Line`` entries
+(inlined frames) are flattened in their on-the-wire order, which pprof defines as
+callee first, so a flattened stack stays leaf first.
+
+Field numbers follow github.com/google/pprof/proto/profile.proto.
+"""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._protowire import (
+    ProtoDecodeError,
+    as_bytes,
+    as_int,
+    iter_fields,
+    put_bytes_field,
+    put_packed_varints_field,
+    put_string_field,
+    put_varint_field,
+    to_int64,
+    unpack_varints,
+)
+
+__all__ = [
+    "Frame",
+    "Profile",
+    "ProfileBuilder",
+    "ProfileDecodeError",
+    "Sample",
+    "decode_profile",
+    "encode_profile",
+    "maybe_gunzip",
+]
+
+_GZIP_MAGIC = b"\x1f\x8b"
+
+# perftools.profiles.Profile
+_P_SAMPLE_TYPE = 1
+_P_SAMPLE = 2
+_P_MAPPING = 3
+_P_LOCATION = 4
+_P_FUNCTION = 5
+_P_STRING_TABLE = 6
+_P_TIME_NANOS = 9
+_P_DURATION_NANOS = 10
+_P_PERIOD_TYPE = 11
+_P_PERIOD = 12
+_P_COMMENT = 13
+_P_DEFAULT_SAMPLE_TYPE = 14
+# ValueType
+_VT_TYPE = 1
+_VT_UNIT = 2
+# Sample
+_S_LOCATION_ID = 1
+_S_VALUE = 2
+_S_LABEL = 3
+# Label
+_L_KEY = 1
+_L_STR = 2
+_L_NUM = 3
+_L_NUM_UNIT = 4
+# Mapping
+_M_ID = 1
+_M_FILENAME = 5
+# Location
+_LOC_ID = 1
+_LOC_MAPPING_ID = 2
+_LOC_ADDRESS = 3
+_LOC_LINE = 4
+# Line
+_LINE_FUNCTION_ID = 1
+_LINE_LINE = 2
+# Function
+_F_ID = 1
+_F_NAME = 2
+_F_SYSTEM_NAME = 3
+_F_FILENAME = 4
+
+
+class ProfileDecodeError(ProtoDecodeError):
+    """Raised when bytes are not a decodable pprof profile."""
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One stack frame: function name, source file and line number (0 when unknown)."""
+
+    function: str
+    filename: str
+    line: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One pprof sample.
+
+    ``stack`` is leaf first. ``labels`` are the string labels in wire order; a key
+    may legitimately appear more than once, so they are kept as pairs rather than
+    a dict. ``num_labels`` holds numeric labels as ``(key, num, num_unit)``.
+    """
+
+    stack: tuple[Frame, ...]
+    values: tuple[int, ...]
+    labels: tuple[tuple[str, str], ...] = ()
+    num_labels: tuple[tuple[str, int, str], ...] = ()
+
+    def label_values(self, key: str) -> tuple[str, ...]:
+        """Return every string value carried under ``key``, in wire order."""
+        return tuple(v for k, v in self.labels if k == key)
+
+    def label(self, key: str) -> str | None:
+        """Return the first string value under ``key``, or ``None`` if absent."""
+        for k, v in self.labels:
+            if k == key:
+                return v
+        return None
+
+    @property
+    def value(self) -> int:
+        """The first sample value (the only one for Pyroscope's CPU profiles)."""
+        return self.values[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A decoded pprof profile: ``(type, unit)`` pairs plus symbolised samples."""
+
+    sample_types: tuple[tuple[str, str], ...]
+    period_type: tuple[str, str]
+    period: int
+    time_nanos: int
+    duration_nanos: int
+    samples: tuple[Sample, ...]
+    comments: tuple[str, ...] = ()
+    default_sample_type: str = ""
+
+    def total(self, value_index: int = 0) -> int:
+        """Sum of ``values[value_index]`` over all samples."""
+        return sum(s.values[value_index] for s in self.samples)
+
+
+def maybe_gunzip(data: bytes) -> bytes:
+    """Return ``data`` gunzipped if it starts with the gzip magic, else unchanged.
+
+    Sniffing is unambiguous for protobuf: 0x1f would be field 3 with wire type 7,
+    which does not exist.
+    """
+    if data[:2] != _GZIP_MAGIC:
+        return data
+    try:
+        return gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise ProfileDecodeError(f"invalid gzip data: {exc}") from exc
+
+
+def decode_profile(data: bytes) -> Profile:
+    """Decode a pprof profile, gzip-compressed or raw, into a ``Profile``.
+
+    Raises ``ProfileDecodeError`` on malformed input (bad wire format, dangling
+    string/function/location references).
+    """
+    try:
+        return _decode_profile(maybe_gunzip(data))
+    except ProfileDecodeError:
+        raise
+    except ProtoDecodeError as exc:
+        raise ProfileDecodeError(str(exc)) from exc
+
+
+def _decode_profile(data: bytes) -> Profile:
+    raw_sample_types: list[bytes] = []
+    raw_samples: list[bytes] = []
+    raw_mappings: list[bytes] = []
+    raw_locations: list[bytes] = []
+    raw_functions: list[bytes] = []
+    strings: list[str] = []
+    raw_period_type: bytes | None = None
+    time_nanos = duration_nanos = period = 0
+    comment_idx: list[int] = []
+    default_sample_type_idx = 0
+
+    for field, _wire, value in iter_fields(data):
+        if field == _P_SAMPLE_TYPE:
+            raw_sample_types.append(as_bytes(value))
+        elif field == _P_SAMPLE:
+            raw_samples.append(as_bytes(value))
+        elif field == _P_MAPPING:
+            raw_mappings.append(as_bytes(value))
+        elif field == _P_LOCATION:
+            raw_locations.append(as_bytes(value))
+        elif field == _P_FUNCTION:
+            raw_functions.append(as_bytes(value))
+        elif field == _P_STRING_TABLE:
+            try:
+                strings.append(as_bytes(value).decode("utf-8"))
+            except UnicodeDecodeError:
+                # Symbol names from native code are not guaranteed UTF-8; keep going.
+                strings.append(as_bytes(value).decode("utf-8", "replace"))
+        elif field == _P_TIME_NANOS:
+            time_nanos = to_int64(as_int(value))
+        elif field == _P_DURATION_NANOS:
+            duration_nanos = to_int64(as_int(value))
+        elif field == _P_PERIOD_TYPE:
+            raw_period_type = as_bytes(value)
+        elif field == _P_PERIOD:
+            period = to_int64(as_int(value))
+        elif field == _P_COMMENT:
+            comment_idx.extend(unpack_varints(value))
+        elif field == _P_DEFAULT_SAMPLE_TYPE:
+            default_sample_type_idx = as_int(value)
+        # drop_frames/keep_frames/doc_url and unknown fields are ignored.
+
+    if strings and strings[0] != "":
+        raise ProfileDecodeError("string_table[0] must be the empty string")
+    if not strings:
+        strings = [""]
+    n_strings = len(strings)
+
+    def s(idx: int) -> str:
+        if idx >= n_strings:
+            raise ProfileDecodeError(f"string index {idx} out of range ({n_strings})")
+        return strings[idx]
+
+    def value_type(raw: bytes) -> tuple[str, str]:
+        type_idx = unit_idx = 0
+        for f, _w, v in iter_fields(raw):
+            if f == _VT_TYPE:
+                type_idx = as_int(v)
+            elif f == _VT_UNIT:
+                unit_idx = as_int(v)
+        return s(type_idx), s(unit_idx)
+
+    functions: dict[int, tuple[str, str]] = {}
+    for raw in raw_functions:
+        fid = name_idx = file_idx = 0
+        for f, _w, v in iter_fields(raw):
+            if f == _F_ID:
+                fid = as_int(v)
+            elif f == _F_NAME:
+                name_idx = as_int(v)
+            elif f == _F_FILENAME:
+                file_idx = as_int(v)
+        functions[fid] = (s(name_idx), s(file_idx))
+
+    mapping_files: dict[int, str] = {}
+    for raw in raw_mappings:
+        mid = file_idx = 0
+        for f, _w, v in iter_fields(raw):
+            if f == _M_ID:
+                mid = as_int(v)
+            elif f == _M_FILENAME:
+                file_idx = as_int(v)
+        mapping_files[mid] = s(file_idx)
+
+    locations: dict[int, tuple[Frame, ...]] = {}
+    for raw in raw_locations:
+        lid = mapping_id = address = 0
+        frames: list[Frame] = []
+        for f, _w, v in iter_fields(raw):
+            if f == _LOC_ID:
+                lid = as_int(v)
+            elif f == _LOC_MAPPING_ID:
+                mapping_id = as_int(v)
+            elif f == _LOC_ADDRESS:
+                address = as_int(v)
+            elif f == _LOC_LINE:
+                func_id = line_no = 0
+                for lf, _lw, lv in iter_fields(as_bytes(v)):
+                    if lf == _LINE_FUNCTION_ID:
+                        func_id = as_int(lv)
+                    elif lf == _LINE_LINE:
+                        line_no = to_int64(as_int(lv))
+                func = functions.get(func_id)
+                if func is None:
+                    raise ProfileDecodeError(
+                        f"location {lid} references unknown function {func_id}"
+                    )
+                frames.append(Frame(func[0], func[1], line_no))
+        if not frames:
+            # Unsymbolised native location: the address is the best name there is.
+            frames.append(Frame(f"0x{address:x}", mapping_files.get(mapping_id, ""), 0))
+        locations[lid] = tuple(frames)
+
+    samples: list[Sample] = []
+    for raw in raw_samples:
+        stack: list[Frame] = []
+        values: list[int] = []
+        labels: list[tuple[str, str]] = []
+        num_labels: list[tuple[str, int, str]] = []
+        for f, _w, v in iter_fields(raw):
+            if f == _S_LOCATION_ID:
+                for lid in unpack_varints(v):
+                    loc = locations.get(lid)
+                    if loc is None:
+                        raise ProfileDecodeError(f"sample references unknown location {lid}")
+                    stack.extend(loc)
+            elif f == _S_VALUE:
+                values.extend(to_int64(x) for x in unpack_varints(v))
+            elif f == _S_LABEL:
+                key_idx = str_idx = num = num_unit_idx = 0
+                for lf, _lw, lv in iter_fields(as_bytes(v)):
+                    if lf == _L_KEY:
+                        key_idx = as_int(lv)
+                    elif lf == _L_STR:
+                        str_idx = as_int(lv)
+                    elif lf == _L_NUM:
+                        num = to_int64(as_int(lv))
+                    elif lf == _L_NUM_UNIT:
+                        num_unit_idx = as_int(lv)
+                # pprof says a label is either str or num. A label with neither set is
+                # read as an empty string label so ("k", "") survives a round trip.
+                if str_idx == 0 and (num != 0 or num_unit_idx != 0):
+                    num_labels.append((s(key_idx), num, s(num_unit_idx)))
+                else:
+                    labels.append((s(key_idx), s(str_idx)))
+        samples.append(Sample(tuple(stack), tuple(values), tuple(labels), tuple(num_labels)))
+
+    return Profile(
+        sample_types=tuple(value_type(r) for r in raw_sample_types),
+        period_type=value_type(raw_period_type) if raw_period_type is not None else ("", ""),
+        period=period,
+        time_nanos=time_nanos,
+        duration_nanos=duration_nanos,
+        samples=tuple(samples),
+        comments=tuple(s(i) for i in comment_idx),
+        default_sample_type=s(default_sample_type_idx),
+    )
+
+
+class ProfileBuilder:
+    """Incrementally build a pprof profile, interning strings, functions and locations.
+
+    Meant for an in-process sampler: each ``add`` costs a few dict lookups, the
+    Function/Location messages are serialised once when first seen, and samples
+    with the same stack and the same labels (same order) are merged by summing
+    their values, the way pprof producers aggregate. Pass labels in a consistent
+    order for merging to be effective.
+
+    One builder produces one profile; create a new builder (or ``reset()``) per
+    upload interval.
+    """
+
+    def __init__(
+        self,
+        sample_types: Sequence[tuple[str, str]] = (("cpu", "nanoseconds"),),
+        period_type: tuple[str, str] | None = None,
+        period: int = 0,
+        *,
+        comments: Sequence[str] = (),
+        default_sample_type: str = "",
+    ) -> None:
+        self._sample_types = tuple((t, u) for t, u in sample_types)
+        if period_type is None:
+            period_type = self._sample_types[0] if self._sample_types else ("", "")
+        self._period_type = period_type
+        self._period = period
+        self._comments = tuple(comments)
+        self._default_sample_type = default_sample_type
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop all samples and interned data, keeping the profile configuration."""
+        self._strings: dict[str, int] = {"": 0}
+        self._string_list: list[str] = [""]
+        self._functions: dict[tuple[int, int], int] = {}
+        self._function_buf = bytearray()
+        self._locations: dict[Frame, int] = {}
+        self._location_buf = bytearray()
+        self._label_cache: dict[tuple[str, str], bytes] = {}
+        self._samples: list[tuple[tuple[int, ...], tuple[bytes, ...], list[int]]] = []
+        self._sample_index: dict[tuple[tuple[int, ...], tuple[tuple[str, str], ...]], int] = {}
+        # Header strings are interned up front so the string table is complete
+        # whenever build() runs.
+        for t, u in (*self._sample_types, self._period_type):
+            self._intern(t)
+            self._intern(u)
+        for c in self._comments:
+            self._intern(c)
+        self._intern(self._default_sample_type)
+
+    def __len__(self) -> int:
+        """Number of distinct (stack, labels) samples so far."""
+        return len(self._samples)
+
+    def _intern(self, value: str) -> int:
+        idx = self._strings.get(value)
+        if idx is None:
+            idx = len(self._string_list)
+            self._strings[value] = idx
+            self._string_list.append(value)
+        return idx
+
+    def _location_id(self, frame: Frame) -> int:
+        lid = self._locations.get(frame)
+        if lid is not None:
+            return lid
+        fkey = (self._intern(frame.function), self._intern(frame.filename))
+        fid = self._functions.get(fkey)
+        if fid is None:
+            fid = len(self._functions) + 1
+            self._functions[fkey] = fid
+            msg = bytearray()
+            put_varint_field(msg, _F_ID, fid)
+            put_varint_field(msg, _F_NAME, fkey[0])
+            # system_name = name, as Go's runtime/pprof writes; tools display either.
+            put_varint_field(msg, _F_SYSTEM_NAME, fkey[0])
+            put_varint_field(msg, _F_FILENAME, fkey[1])
+            put_bytes_field(self._function_buf, _P_FUNCTION, msg)
+        lid = len(self._locations) + 1
+        self._locations[frame] = lid
+        line = bytearray()
+        put_varint_field(line, _LINE_FUNCTION_ID, fid)
+        put_varint_field(line, _LINE_LINE, frame.line)
+        msg = bytearray()
+        put_varint_field(msg, _LOC_ID, lid)
+        put_bytes_field(msg, _LOC_LINE, line)
+        put_bytes_field(self._location_buf, _P_LOCATION, msg)
+        return lid
+
+    def _label_bytes(self, pair: tuple[str, str]) -> bytes:
+        cached = self._label_cache.get(pair)
+        if cached is None:
+            msg = bytearray()
+            put_varint_field(msg, _L_KEY, self._intern(pair[0]))
+            put_varint_field(msg, _L_STR, self._intern(pair[1]))
+            cached = self._label_cache[pair] = bytes(msg)
+        return cached
+
+    def _num_label_bytes(self, label: tuple[str, int, str]) -> bytes:
+        msg = bytearray()
+        put_varint_field(msg, _L_KEY, self._intern(label[0]))
+        put_varint_field(msg, _L_NUM, label[1])
+        put_varint_field(msg, _L_NUM_UNIT, self._intern(label[2]))
+        return bytes(msg)
+
+    def _values(self, value: int | Sequence[int]) -> list[int]:
+        values = [value] if isinstance(value, int) else list(value)
+        if len(values) != len(self._sample_types):
+            raise ValueError(
+                f"expected {len(self._sample_types)} sample value(s), got {len(values)}"
+            )
+        return values
+
+    def add(
+        self,
+        stack: Sequence[Frame],
+        value: int | Sequence[int],
+        labels: Sequence[tuple[str, str]] = (),
+        *,
+        num_labels: Sequence[tuple[str, int, str]] = (),
+    ) -> None:
+        """Add one observation; ``stack`` is leaf first, ``value`` one int per sample type.
+
+        An observation with the same stack and labels as an earlier one is merged
+        into it by summing values.
+        """
+        values = self._values(value)
+        loc_ids = tuple(self._location_id(f) for f in stack)
+        label_key = tuple(labels)
+        if num_labels:
+            # Numeric labels are rare (Python agents never emit them): do not bother
+            # merging, just keep such samples separate.
+            self._append(loc_ids, label_key, tuple(num_labels), values)
+            return
+        key = (loc_ids, label_key)
+        idx = self._sample_index.get(key)
+        if idx is None:
+            self._sample_index[key] = len(self._samples)
+            self._append(loc_ids, label_key, (), values)
+        else:
+            acc = self._samples[idx][2]
+            for i, v in enumerate(values):
+                acc[i] += v
+
+    def _append(
+        self,
+        loc_ids: tuple[int, ...],
+        labels: tuple[tuple[str, str], ...],
+        num_labels: tuple[tuple[str, int, str], ...],
+        values: list[int],
+    ) -> None:
+        encoded = tuple(self._label_bytes(p) for p in labels) + tuple(
+            self._num_label_bytes(n) for n in num_labels
+        )
+        self._samples.append((loc_ids, encoded, values))
+
+    def _add_unmerged(self, sample: Sample) -> None:
+        loc_ids = tuple(self._location_id(f) for f in sample.stack)
+        self._append(loc_ids, sample.labels, sample.num_labels, self._values(sample.values))
+
+    def build(self, *, time_nanos: int = 0, duration_nanos: int = 0) -> bytes:
+        """Serialise the profile as raw (not gzip-compressed) pprof bytes."""
+        buf = bytearray()
+        strings = self._strings
+        for t, u in self._sample_types:
+            vt = bytearray()
+            put_varint_field(vt, _VT_TYPE, strings[t])
+            put_varint_field(vt, _VT_UNIT, strings[u])
+            put_bytes_field(buf, _P_SAMPLE_TYPE, vt)
+        msg = bytearray()
+        for loc_ids, labels, values in self._samples:
+            msg.clear()
+            put_packed_varints_field(msg, _S_LOCATION_ID, loc_ids)
+            put_packed_varints_field(msg, _S_VALUE, values)
+            for lab in labels:
+                put_bytes_field(msg, _S_LABEL, lab)
+            put_bytes_field(buf, _P_SAMPLE, msg)
+        buf += self._location_buf
+        buf += self._function_buf
+        for s in self._string_list:
+            put_string_field(buf, _P_STRING_TABLE, s)
+        put_varint_field(buf, _P_TIME_NANOS, time_nanos)
+        put_varint_field(buf, _P_DURATION_NANOS, duration_nanos)
+        if self._period_type != ("", ""):
+            vt = bytearray()
+            put_varint_field(vt, _VT_TYPE, strings[self._period_type[0]])
+            put_varint_field(vt, _VT_UNIT, strings[self._period_type[1]])
+            put_bytes_field(buf, _P_PERIOD_TYPE, vt)
+        put_varint_field(buf, _P_PERIOD, self._period)
+        put_packed_varints_field(buf, _P_COMMENT, (strings[c] for c in self._comments))
+        put_varint_field(buf, _P_DEFAULT_SAMPLE_TYPE, strings[self._default_sample_type])
+        return bytes(buf)
+
+
+def encode_profile(profile: Profile) -> bytes:
+    """Encode ``profile`` as raw (not gzip-compressed) pprof bytes.
+
+    Samples are written in order and not merged, so ``decode_profile`` returns an
+    equal ``Profile``. Each distinct frame becomes one single-line location: the
+    inlining structure of a decoded profile is not kept, only its flattened stacks.
+    """
+    builder = ProfileBuilder(
+        profile.sample_types,
+        profile.period_type,
+        profile.period,
+        comments=profile.comments,
+        default_sample_type=profile.default_sample_type,
+    )
+    for sample in profile.samples:
+        builder._add_unmerged(sample)
+    return builder.build(time_nanos=profile.time_nanos, duration_nanos=profile.duration_nanos)

@@ -1,0 +1,386 @@
+"""A local stand-in for the Pyroscope ingest endpoint.
+
+``PushReceiver`` speaks just enough of the Pyroscope server's HTTP surface for
+pyroscope-io (and spanprof's own pusher) to upload to it: the Connect unary
+``push.v1.PusherService/Push`` RPC. It decodes every upload into spanprof's pprof
+model and keeps it in memory, for tests and for the embedded local UI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+from ._pprof import Frame
+from ._protowire import ProtoDecodeError
+from ._push import PUSH_PATH, PushSeries, decode_push_request
+
+__all__ = ["PushReceiver", "ReceivedPush", "ReceivedSample"]
+
+#: The legacy (pre-v1) Pyroscope ingest path; accepted and ignored.
+_INGEST_PATH = "/ingest"
+_PROTO_CONTENT_TYPES = frozenset(
+    {"", "application/proto", "application/protobuf", "application/x-protobuf"}
+)
+_DEFAULT_MAX_BODY = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedPush:
+    """One accepted Push call: when it arrived, from whom, and its decoded series."""
+
+    received_at: float
+    user_agent: str
+    series: tuple[PushSeries, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedSample:
+    """One pprof sample from a received push, flattened with its series labels."""
+
+    series_labels: tuple[tuple[str, str], ...]
+    stack: tuple[Frame, ...]
+    value: int
+    labels: tuple[tuple[str, str], ...]
+    received_at: float
+
+    def label_values(self, key: str) -> tuple[str, ...]:
+        """Return every per-sample label value under ``key``, in wire order."""
+        return tuple(v for k, v in self.labels if k == key)
+
+    def series_label(self, name: str) -> str | None:
+        """Return the first series label value under ``name``, or ``None``."""
+        for k, v in self.series_labels:
+            if k == name:
+                return v
+        return None
+
+    def has_function(self, name: str) -> bool:
+        """Whether any frame of the stack is function ``name``."""
+        return any(f.function == name for f in self.stack)
+
+
+class _BodyError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], receiver: PushReceiver) -> None:
+        self.receiver = receiver
+        self._connections: set[socket.socket] = set()
+        self._conn_lock = threading.Lock()
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._conn_lock:
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._conn_lock:
+            self._connections.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        # Keep-alive clients (reqwest pools connections) would otherwise leave
+        # handler threads blocked in readline() after the server is stopped.
+        with self._conn_lock:
+            conns = list(self._connections)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # The default prints a traceback to stderr; record it instead.
+        self.receiver._record_error(f"internal error: {traceback.format_exc(limit=5)}")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+    server_version = "spanprof-receiver"
+    sys_version = ""
+    # Drop idle keep-alive connections eventually instead of holding a thread forever.
+    timeout = 60
+
+    def log_message(self, format: str, *args: Any) -> None:
+        # Silence per-request access logging to stderr.
+        return
+
+    def do_POST(self) -> None:
+        path = urlsplit(self.path).path
+        try:
+            body = self._read_body(self.server.receiver.max_body_bytes)
+        except _BodyError as exc:
+            self.server.receiver._record_error(str(exc))
+            code = "resource_exhausted" if exc.status == 413 else "invalid_argument"
+            self._connect_error(exc.status, code, str(exc))
+            self.close_connection = True
+            return
+        if path == PUSH_PATH:
+            self._push(body)
+        elif path == _INGEST_PATH:
+            self._reply(200, b"", "text/plain")
+        else:
+            self._reply(404, b"404 page not found\n", "text/plain; charset=utf-8")
+
+    def do_GET(self) -> None:
+        self._reply(404, b"404 page not found\n", "text/plain; charset=utf-8")
+
+    def _push(self, body: bytes) -> None:
+        receiver = self.server.receiver
+        content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        if content_type not in _PROTO_CONTENT_TYPES:
+            msg = f"unsupported Content-Type {content_type!r}"
+            receiver._record_error(msg)
+            # Connect answers an unknown codec with a bare 415.
+            self._reply(415, b"", "text/plain")
+            return
+        try:
+            series = decode_push_request(body, self.headers.get("Content-Encoding"))
+        except ProtoDecodeError as exc:
+            receiver._record_error(f"undecodable push: {exc}")
+            self._connect_error(400, "invalid_argument", str(exc))
+            return
+        receiver._record_push(
+            ReceivedPush(time.time(), self.headers.get("User-Agent") or "", tuple(series))
+        )
+        # An empty serialized PushResponse, as the Pyroscope server (connect-go) answers.
+        self._reply(200, b"", "application/proto")
+
+    def _read_body(self, limit: int) -> bytes:
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            return self._read_chunked(limit)
+        raw_length = self.headers.get("Content-Length")
+        if raw_length is None:
+            return b""
+        try:
+            length = int(raw_length)
+        except ValueError:
+            raise _BodyError(400, f"invalid Content-Length {raw_length!r}") from None
+        if length < 0 or length > limit:
+            raise _BodyError(413, f"body of {length} bytes exceeds limit {limit}")
+        body = self.rfile.read(length)
+        if len(body) != length:
+            raise _BodyError(400, "truncated body")
+        return body
+
+    def _read_chunked(self, limit: int) -> bytes:
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            line = self.rfile.readline(1024)
+            try:
+                size = int(line.split(b";")[0].strip(), 16)
+            except ValueError:
+                raise _BodyError(400, "invalid chunked encoding") from None
+            if size == 0:
+                # Trailer section ends with an empty line.
+                while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+                    pass
+                return b"".join(chunks)
+            total += size
+            if total > limit:
+                raise _BodyError(413, f"body exceeds limit {limit}")
+            chunks.append(self.rfile.read(size))
+            self.rfile.readline(8)
+
+    def _connect_error(self, status: int, code: str, message: str) -> None:
+        body = json.dumps({"code": code, "message": message}).encode()
+        self._reply(status, body, "application/json")
+
+    def _reply(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if body:
+            self.wfile.write(body)
+
+
+class PushReceiver:
+    """In-memory Pyroscope push endpoint on ``127.0.0.1`` (ephemeral port by default).
+
+    Use as a context manager, point an agent's ``server_address`` at ``.url``
+    and inspect ``series()`` / ``samples()``. Accepted pushes are answered exactly
+    like the Pyroscope server does (``200``, empty ``application/proto`` body);
+    undecodable ones get a Connect ``invalid_argument`` error (``400``) and are
+    recorded in ``errors``. Nothing is logged per request.
+
+    ``on_push`` is called from the request thread after each accepted push is
+    stored; exceptions it raises are recorded in ``errors``, never sent back.
+    """
+
+    def __init__(
+        self,
+        port: int = 0,
+        *,
+        host: str = "127.0.0.1",
+        on_push: Callable[[ReceivedPush], None] | None = None,
+        max_body_bytes: int = _DEFAULT_MAX_BODY,
+    ) -> None:
+        self._host = host
+        self._port = port
+        self._on_push = on_push
+        self.max_body_bytes = max_body_bytes
+        self._cond = threading.Condition(threading.Lock())
+        self._pushes: list[ReceivedPush] = []
+        self._errors: list[str] = []
+        # Bumped on every state change so wait_for() never misses a notification.
+        self._generation = 0
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def start(self) -> PushReceiver:
+        """Bind and start serving in a background thread; returns ``self``."""
+        if self._server is not None:
+            raise RuntimeError("PushReceiver already started")
+        server = _Server((self._host, self._port), self)
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"spanprof-push-receiver:{server.server_address[1]}",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving, close open connections and release the port (idempotent)."""
+        server, thread = self._server, self._thread
+        if server is None:
+            return
+        self._server = self._thread = None
+        server.shutdown()
+        server.close_connections()
+        server.server_close()
+        if thread is not None:
+            thread.join()
+
+    def __enter__(self) -> PushReceiver:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port (only while started)."""
+        if self._server is None:
+            raise RuntimeError("PushReceiver is not started")
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """Base URL to use as the agent's ``server_address``, e.g. ``http://127.0.0.1:4040``."""
+        return f"http://{self._host}:{self.port}"
+
+    # -- recorded data -----------------------------------------------------
+
+    @property
+    def pushes(self) -> int:
+        """Number of accepted Push calls since start or the last ``clear()``."""
+        with self._cond:
+            return len(self._pushes)
+
+    @property
+    def errors(self) -> list[str]:
+        """Descriptions of rejected requests and internal errors, oldest first."""
+        with self._cond:
+            return list(self._errors)
+
+    def received_pushes(self) -> list[ReceivedPush]:
+        """Every accepted push, oldest first."""
+        with self._cond:
+            return list(self._pushes)
+
+    def series(self) -> list[PushSeries]:
+        """Every received series, in arrival order."""
+        with self._cond:
+            return [s for p in self._pushes for s in p.series]
+
+    def samples(self) -> list[ReceivedSample]:
+        """Every pprof sample of every received series, flattened."""
+        out: list[ReceivedSample] = []
+        for push in self.received_pushes():
+            for series in push.series:
+                for profile in series.profiles:
+                    for s in profile.samples:
+                        out.append(
+                            ReceivedSample(
+                                series_labels=series.labels,
+                                stack=s.stack,
+                                value=s.values[0] if s.values else 0,
+                                labels=s.labels,
+                                received_at=push.received_at,
+                            )
+                        )
+        return out
+
+    def clear(self) -> None:
+        """Forget all received pushes and errors."""
+        with self._cond:
+            self._pushes.clear()
+            self._errors.clear()
+            self._generation += 1
+            self._cond.notify_all()
+
+    def wait_for(self, predicate: Callable[[PushReceiver], bool], timeout: float) -> bool:
+        """Block until ``predicate(self)`` is true or ``timeout`` seconds pass; return it.
+
+        The predicate runs without the internal lock held, so it may call any
+        accessor; it is re-evaluated after every push, error or ``clear()``.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._cond:
+                generation = self._generation
+            if predicate(self):
+                return True
+            with self._cond:
+                while self._generation == generation:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self._cond.wait(remaining)
+
+    # -- called from request threads ---------------------------------------
+
+    def _record_push(self, push: ReceivedPush) -> None:
+        with self._cond:
+            self._pushes.append(push)
+            self._generation += 1
+            self._cond.notify_all()
+        if self._on_push is not None:
+            try:
+                self._on_push(push)
+            except Exception as exc:
+                self._record_error(f"on_push callback failed: {exc!r}")
+
+    def _record_error(self, message: str) -> None:
+        with self._cond:
+            self._errors.append(message)
+            self._generation += 1
+            self._cond.notify_all()

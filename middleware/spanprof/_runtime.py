@@ -1,0 +1,76 @@
+"""Profiler lifecycle per process: start once (after any fork), feed the engine, flush at exit."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ._backend import ProfilerBackend
+from ._engine import install_label_engine, installed_backend, uninstall_label_engine
+from ._logging import log_once
+
+__all__ = ["ProfilerRuntime"]
+
+
+class ProfilerRuntime:
+    """Starts ``backend`` and the label engine once per process; stops them on request.
+
+    Remembers the pid it started in, so a worker forked after a start (gunicorn's
+    ``preload_app``, a request served by a master) starts its own profiler instead of trusting
+    the parent's, which the agent does not carry over a fork.
+    """
+
+    def __init__(self, backend: ProfilerBackend | None) -> None:
+        self.backend = backend
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether the backend runs in this process."""
+        return self._pid == os.getpid()
+
+    def ensure_started(self) -> None:
+        """Start if this process has not started yet; cheap when it has."""
+        if self.backend is not None and self._pid != os.getpid():
+            self.start()
+
+    def start(self) -> None:
+        """Start the backend and install the label engine; failures are logged, not raised."""
+        backend = self.backend
+        if backend is None:
+            return
+        with self._lock:
+            pid = os.getpid()
+            if self._pid == pid:
+                return
+            self._pid = pid
+            try:
+                backend.start()
+            except Exception:
+                log_once(
+                    f"backend-start-{id(backend)}",
+                    "spanprof: the profiler backend failed to start; requests are served "
+                    "without profiles (logged once)",
+                )
+                return
+            install_label_engine(backend)
+
+    def stop(self) -> None:
+        """Uninstall the engine (if it feeds this backend) and flush the backend."""
+        backend = self.backend
+        if backend is None:
+            return
+        with self._lock:
+            if self._pid != os.getpid():
+                return
+            self._pid = None
+            if installed_backend() is backend:
+                uninstall_label_engine()
+            try:
+                backend.shutdown()
+            except Exception:
+                log_once(
+                    f"backend-shutdown-{id(backend)}",
+                    "spanprof: the profiler backend failed to shut down cleanly (logged once)",
+                )

@@ -1,0 +1,39 @@
+"""From a server span to the request's label set, and back: the span learns its profile id."""
+
+from __future__ import annotations
+
+from opentelemetry.trace import Span, SpanKind
+
+from ._labelset import LABELS, LabelSet
+
+__all__ = ["PROFILE_ID_ATTRIBUTE", "annotate_span", "is_server_span", "request_labels"]
+
+# Grafana's Tempo "trace to profiles" link appears on spans that carry this attribute.
+PROFILE_ID_ATTRIBUTE = "pyroscope.profile.id"
+
+
+def is_server_span(span: Span) -> bool:
+    """Whether ``span`` is a valid SERVER span another instrumentation already made current."""
+    return span.get_span_context().is_valid and getattr(span, "kind", None) is SpanKind.SERVER
+
+
+def request_labels(span: Span, name: str, *, with_trace_id: bool) -> LabelSet:
+    """The request's labels: the enclosing ones plus ``span_id``, ``trace_id``, ``span_name``."""
+    ctx = span.get_span_context()
+    own: dict[str, str] = {"span_name": name}
+    if ctx.is_valid:
+        own["span_id"] = format(ctx.span_id, "016x")
+        if with_trace_id:
+            own["trace_id"] = format(ctx.trace_id, "032x")
+    return LABELS.get().merged(own)
+
+
+def annotate_span(span: Span, labels: LabelSet, template: str | None) -> None:
+    """Link the span to its profile and name its route (when the router will match one)."""
+    if not span.is_recording():
+        return
+    span_id = labels.get("span_id")
+    if span_id is not None:
+        span.set_attribute(PROFILE_ID_ATTRIBUTE, span_id)
+    if template is not None:
+        span.set_attribute("http.route", template)

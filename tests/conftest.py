@@ -1,0 +1,91 @@
+"""Shared fixtures: the recorder-backed label engine, in-memory spans, and event loops."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import spanprof
+from spanprof._logging import reset_log_once
+
+T = TypeVar("T")
+
+LOOPS = ["asyncio", "uvloop"]
+
+# Under CI a test that needs a component the machine lacks must fail, not skip.
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require(condition: bool, reason: str) -> None:
+    """Skip locally, fail under CI, when a test's component is missing."""
+    if condition:
+        return
+    if IN_CI:
+        pytest.fail(f"missing under CI: {reason}")
+    pytest.skip(reason)
+
+
+def new_loop(kind: str) -> asyncio.AbstractEventLoop:
+    """A fresh event loop of ``kind`` (``asyncio`` or ``uvloop``)."""
+    if kind == "uvloop":
+        import uvloop
+
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        return loop
+    return asyncio.new_event_loop()
+
+
+def run_on(kind: str, main: Callable[[], Awaitable[T]]) -> T:
+    """Run ``main()`` to completion on a new loop of ``kind`` and close the loop."""
+    loop = new_loop(kind)
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+
+
+@pytest.fixture(params=LOOPS)
+def loop_kind(request: pytest.FixtureRequest) -> str:
+    """Each test using this runs on asyncio and on uvloop."""
+    kind: str = request.param
+    return kind
+
+
+@pytest.fixture
+def recorder() -> Iterator[spanprof.RecorderBackend]:
+    """The label engine installed with a recorder backend, uninstalled afterwards."""
+    backend = spanprof.RecorderBackend()
+    spanprof.install_label_engine(backend)
+    try:
+        yield backend
+    finally:
+        spanprof.uninstall_label_engine()
+        reset_log_once()
+
+
+@pytest.fixture
+def span_exporter() -> InMemorySpanExporter:
+    """Collects finished spans in memory."""
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def tracer_provider(span_exporter: InMemorySpanExporter) -> Iterator[TracerProvider]:
+    """A tracer provider exporting synchronously to ``span_exporter``."""
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+    yield provider
+    provider.shutdown()
+
+
+def labels_of(value: Any) -> dict[str, str]:
+    """A plain dict of a label mapping (for readable assertion diffs)."""
+    return dict(value)

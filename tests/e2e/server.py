@@ -1,0 +1,76 @@
+"""Real servers on loopback for end-to-end tests: start, wait until ready, stop gracefully."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """An ephemeral loopback port that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """Poll ``url`` until it answers 200, failing early if the process died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} before it was ready")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+@contextmanager
+def serve(
+    argv: Sequence[str],
+    *,
+    health_url: str,
+    env: Mapping[str, str],
+    log_path: Path,
+    stop_signal: int = signal.SIGINT,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run a server command from the repo root; on exit stop it gracefully (lifespan shutdown)."""
+    full_env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}", **env}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            list(argv), cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            wait_ready(health_url, process)
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(stop_signal)
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def uvicorn_argv(app: str, port: int, loop: str, *extra: str) -> list[str]:
+    """A uvicorn command line serving ``app`` on 127.0.0.1 with the given loop."""
+    return [
+        sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
+        "--loop", loop, "--lifespan", "on", "--log-level", "warning", *extra,
+    ]  # fmt: skip

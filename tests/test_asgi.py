@@ -1,0 +1,411 @@
+"""ProfilingMiddleware: one server span per request, labelled with its ids and route template."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+import spanprof
+from spanprof import ProfilingMiddleware, RecorderBackend, current_labels
+from spanprof._engine import attach_loop
+
+from .asgi_driver import lifespan, websocket_session
+from .conftest import run_on
+
+
+def _snapshot(recorder: RecorderBackend | None) -> dict[str, Any]:
+    return {
+        "labels": dict(current_labels()),
+        "thread": dict(recorder.thread_labels()) if recorder else None,
+    }
+
+
+def build_app(recorder: RecorderBackend | None = None) -> Starlette:
+    async def item(request: Request) -> Response:
+        await asyncio.sleep(0)
+        snap = _snapshot(recorder)
+        snap["child"] = await asyncio.create_task(_child(recorder))
+        snap["pool"] = await run_in_threadpool(_snapshot, recorder)
+        return JSONResponse(snap)
+
+    async def boom(request: Request) -> Response:
+        raise RuntimeError("handler failed")
+
+    def sync_endpoint(request: Request) -> Response:
+        return JSONResponse(_snapshot(recorder))
+
+    async def ws(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.send_json(_snapshot(recorder))
+        await websocket.close()
+
+    api = [Route("/users/{user_id:int}", item)]
+    return Starlette(
+        routes=[
+            Route("/items/{item_id}", item),
+            Route("/boom", boom),
+            Route("/sync", sync_endpoint),
+            Route("/post-only", item, methods=["POST"]),
+            Mount("/api", routes=api),
+            WebSocketRoute("/ws/{room}", ws),
+        ]
+    )
+
+
+async def _child(recorder: RecorderBackend | None) -> dict[str, Any]:
+    await asyncio.sleep(0)
+    return _snapshot(recorder)
+
+
+def _client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+        base_url="http://test",
+    )
+
+
+def _server_spans(exporter: InMemorySpanExporter) -> list[Any]:
+    return [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
+
+
+def test_request_gets_one_server_span_and_its_labels(
+    recorder: RecorderBackend,
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    loop_kind: str,
+) -> None:
+    """Handler, child task and thread pool all run with the server span's ids and template."""
+    app = ProfilingMiddleware(build_app(recorder), profiler=None, tracer_provider=tracer_provider)
+
+    async def main() -> dict[str, Any]:
+        async with _client(app) as client:
+            response = await client.get("/items/42?secret=hunter2")
+            assert response.status_code == 200
+            body: dict[str, Any] = response.json()
+            return body
+
+    body = run_on(loop_kind, main)
+    spans = _server_spans(span_exporter)
+    assert len(spans) == 1
+    span = spans[0]
+    assert span.name == "GET /items/{item_id}"
+    assert span.attributes is not None
+    assert span.attributes["http.route"] == "/items/{item_id}"
+    expected = {
+        "span_id": format(span.context.span_id, "016x"),
+        "trace_id": format(span.context.trace_id, "032x"),
+        "span_name": "GET /items/{item_id}",
+    }
+    assert span.attributes["pyroscope.profile.id"] == expected["span_id"]
+    for where in (body, body["child"], body["pool"]):
+        assert where["labels"] == expected
+        assert where["thread"] == expected
+    assert len(span_exporter.get_finished_spans()) == 1  # no send/receive child spans
+    assert recorder.labelled_threads() == {}
+    assert current_labels() == {}
+
+
+def test_concurrent_requests_never_share_labels(
+    recorder: RecorderBackend,
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    loop_kind: str,
+) -> None:
+    """Sixteen overlapping requests each see only their own span id, everywhere."""
+    app = ProfilingMiddleware(build_app(recorder), profiler=None, tracer_provider=tracer_provider)
+
+    async def main() -> list[dict[str, Any]]:
+        # A server attaches the engine to its loop at lifespan startup, before creating request
+        # tasks; this test creates them itself.
+        attach_loop()
+        async with _client(app) as client:
+            responses = await asyncio.gather(*(client.get(f"/items/{i}") for i in range(16)))
+            return [r.json() for r in responses]
+
+    bodies = run_on(loop_kind, main)
+    span_ids = {format(s.context.span_id, "016x") for s in _server_spans(span_exporter)}
+    assert len(span_ids) == 16
+    seen = set()
+    for body in bodies:
+        own = body["labels"]["span_id"]
+        seen.add(own)
+        for where in (body, body["child"], body["pool"]):
+            assert where["labels"]["span_id"] == own
+            assert where["thread"]["span_id"] == own
+    assert seen == span_ids
+    assert recorder.labelled_threads() == {}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "name", "route"),
+    [
+        ("GET", "/api/users/7", "GET /api/users/{user_id:int}", "/api/users/{user_id:int}"),
+        ("GET", "/nowhere/123", "GET <unmatched>", None),
+        ("GET", "/post-only", "GET /post-only", "/post-only"),
+        ("BREW", "/items/1", "_OTHER /items/{item_id}", "/items/{item_id}"),
+    ],
+)
+def test_span_name_is_the_route_template_never_the_raw_path(
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    method: str,
+    path: str,
+    name: str,
+    route: str | None,
+) -> None:
+    """Mounts, unmatched paths, 405s and odd methods all get bounded names."""
+    app = ProfilingMiddleware(build_app(), profiler=None, tracer_provider=tracer_provider)
+
+    async def main() -> None:
+        async with _client(app) as client:
+            await client.request(method, path)
+
+    asyncio.run(main())
+    (span,) = _server_spans(span_exporter)
+    assert span.name == name
+    assert span.attributes is not None
+    assert span.attributes.get("http.route") == route
+
+
+def test_labels_reset_when_the_handler_raises(
+    recorder: RecorderBackend,
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+) -> None:
+    """A failing handler still ends its span and leaves no labels on any thread."""
+    app = ProfilingMiddleware(build_app(recorder), profiler=None, tracer_provider=tracer_provider)
+
+    async def main() -> int:
+        async with _client(app) as client:
+            response = await client.get("/boom")
+            return response.status_code
+
+    assert asyncio.run(main()) == 500
+    (span,) = _server_spans(span_exporter)
+    assert span.status.status_code is StatusCode.ERROR
+    assert recorder.labelled_threads() == {}
+    assert current_labels() == {}
+
+
+def test_labels_reset_when_the_request_is_cancelled(
+    recorder: RecorderBackend, tracer_provider: TracerProvider, loop_kind: str
+) -> None:
+    """Cancelling a request mid-handler (client gone, timeout) clears its labels."""
+    entered = asyncio.Event()
+
+    async def slow(request: Request) -> Response:
+        entered.set()
+        await asyncio.sleep(30)
+        return PlainTextResponse("never")
+
+    app = ProfilingMiddleware(
+        Starlette(routes=[Route("/slow", slow)]), profiler=None, tracer_provider=tracer_provider
+    )
+
+    async def main() -> None:
+        attach_loop()
+        await asyncio.create_task(scenario())
+
+    async def scenario() -> None:
+        nonlocal entered
+        entered = asyncio.Event()
+        scope = {
+            "type": "http",
+            "method": "GET",
+            "path": "/slow",
+            "raw_path": b"/slow",
+            "query_string": b"",
+            "headers": [],
+            "http_version": "1.1",
+            "scheme": "http",
+            "server": ("test", 80),
+            "client": ("127.0.0.1", 1234),
+            "root_path": "",
+        }
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(60)
+            return {"type": "http.disconnect"}
+
+        async def send(message: Any) -> None:
+            return None
+
+        task = asyncio.create_task(app(scope, receive, send))
+        await entered.wait()
+        assert recorder.thread_labels() == {}  # this (test) task has no labels
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run_on(loop_kind, main)
+    assert recorder.labelled_threads() == {}
+
+
+def test_sync_endpoints_and_websockets_are_labelled(
+    recorder: RecorderBackend, tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """Starlette's threadpool endpoints and websocket sessions carry their labels."""
+    app = ProfilingMiddleware(build_app(recorder), profiler=None, tracer_provider=tracer_provider)
+
+    async def main() -> tuple[dict[str, Any], dict[str, Any]]:
+        async with _client(app) as client:
+            body: dict[str, Any] = (await client.get("/sync")).json()
+        messages = await websocket_session(app, "/ws/lobby")
+        ws_body: dict[str, Any] = json.loads(messages[0]["text"])
+        return body, ws_body
+
+    body, ws_body = asyncio.run(main())
+    spans = {s.name: s for s in _server_spans(span_exporter)}
+    assert set(spans) == {"GET /sync", "WEBSOCKET /ws/{room}"}
+    assert body["thread"] == body["labels"]
+    assert body["labels"]["span_id"] == format(spans["GET /sync"].context.span_id, "016x")
+    assert ws_body["labels"]["span_name"] == "WEBSOCKET /ws/{room}"
+    ws_span = spans["WEBSOCKET /ws/{room}"]
+    assert ws_body["labels"]["span_id"] == format(ws_span.context.span_id, "016x")
+    assert ws_body["thread"] == ws_body["labels"]
+
+
+def test_existing_server_span_is_reused(
+    recorder: RecorderBackend, tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """Under another instrumentation's server span, spanprof opens no second span."""
+    app = ProfilingMiddleware(build_app(recorder), profiler=None, tracer_provider=tracer_provider)
+    tracer = tracer_provider.get_tracer("outer")
+
+    async def outer(scope: Any, receive: Any, send: Any) -> None:
+        with tracer.start_as_current_span("GET", kind=SpanKind.SERVER):
+            await app(scope, receive, send)
+
+    async def main() -> dict[str, Any]:
+        async with _client(outer) as client:
+            body: dict[str, Any] = (await client.get("/items/5")).json()
+            return body
+
+    body = asyncio.run(main())
+    spans = span_exporter.get_finished_spans()
+    assert len(spans) == 1
+    (span,) = spans
+    assert span.name == "GET /items/{item_id}"
+    assert span.attributes is not None
+    assert span.attributes["pyroscope.profile.id"] == body["labels"]["span_id"]
+    assert body["labels"]["span_id"] == format(span.context.span_id, "016x")
+
+
+def test_trace_id_label_can_be_turned_off(tracer_provider: TracerProvider) -> None:
+    """trace_id_label=False (or SPANPROF_TRACE_ID_LABEL=false) leaves trace_id out."""
+    for app in (
+        ProfilingMiddleware(
+            build_app(), profiler=None, tracer_provider=tracer_provider, trace_id_label=False
+        ),
+        ProfilingMiddleware(
+            build_app(),
+            profiler=None,
+            tracer_provider=tracer_provider,
+            environ={"SPANPROF_TRACE_ID_LABEL": "false"},
+        ),
+    ):
+
+        async def main(app: Any = app) -> dict[str, Any]:
+            async with _client(app) as client:
+                body: dict[str, Any] = (await client.get("/items/1")).json()
+                return body
+
+        labels = asyncio.run(main())["labels"]
+        assert set(labels) == {"span_id", "span_name"}
+
+
+def test_lifespan_starts_and_stops_the_profiler(tracer_provider: TracerProvider) -> None:
+    """The backend starts at lifespan startup and is shut down (flushed) at shutdown."""
+    backend = RecorderBackend()
+    app = ProfilingMiddleware(build_app(), profiler=backend, tracer_provider=tracer_provider)
+
+    async def main() -> None:
+        async with lifespan(app):
+            assert backend.started == 1
+            assert spanprof.installed_backend() is backend
+            async with _client(app) as client:
+                assert (await client.get("/items/1")).status_code == 200
+            assert backend.started == 1
+            assert backend.stopped == 0
+        assert backend.stopped == 1
+        assert spanprof.installed_backend() is None
+
+    try:
+        asyncio.run(main())
+    finally:
+        spanprof.uninstall_label_engine()
+
+
+def test_first_request_starts_the_profiler_without_lifespan(
+    tracer_provider: TracerProvider,
+) -> None:
+    """Servers that run no lifespan get the profiler started by the first request."""
+    backend = RecorderBackend()
+    app = ProfilingMiddleware(build_app(backend), profiler=backend, tracer_provider=tracer_provider)
+
+    async def main() -> dict[str, Any]:
+        async with _client(app) as client:
+            body: dict[str, Any] = (await client.get("/items/1")).json()
+            return body
+
+    try:
+        body = asyncio.run(main())
+        assert backend.started == 1
+        assert body["thread"] == body["labels"]
+    finally:
+        spanprof.uninstall_label_engine()
+
+
+def test_failing_backend_start_never_fails_requests(
+    tracer_provider: TracerProvider, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backend whose start raises is logged once; requests are served normally."""
+
+    class Broken(RecorderBackend):
+        def start(self) -> None:
+            raise ConnectionError("no profiler")
+
+    app = ProfilingMiddleware(build_app(), profiler=Broken(), tracer_provider=tracer_provider)
+
+    async def main() -> list[int]:
+        async with _client(app) as client:
+            return [(await client.get("/items/1")).status_code for _ in range(3)]
+
+    with caplog.at_level("WARNING", logger="spanprof"):
+        assert asyncio.run(main()) == [200, 200, 200]
+    assert len([r for r in caplog.records if "failed to start" in r.getMessage()]) == 1
+    assert spanprof.installed_backend() is None
+
+
+def test_non_http_scopes_pass_through(tracer_provider: TracerProvider) -> None:
+    """Scope types other than http, websocket and lifespan reach the app untouched."""
+    seen: list[str] = []
+
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope["type"])
+        assert trace.get_current_span().get_span_context().is_valid is False
+
+    app = ProfilingMiddleware(inner, profiler=None, tracer_provider=tracer_provider)
+
+    async def noop_receive() -> dict[str, Any]:
+        return {}
+
+    async def noop_send(message: Any) -> None:
+        return None
+
+    asyncio.run(app({"type": "custom"}, noop_receive, noop_send))
+    assert seen == ["custom"]

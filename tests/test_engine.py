@@ -1,0 +1,323 @@
+"""The label engine keeps each thread's profiler labels equal to the running context's labels."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import sys
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+import anyio.to_thread
+import pytest
+
+import spanprof
+from spanprof import LabelSet, RecorderBackend, current_labels, profile_labels
+from spanprof._engine import attach_loop
+
+from .conftest import run_on
+
+pytestmark = pytest.mark.engine
+
+
+class Checker:
+    """Asserts, wherever it is called, that the profiler sees the context's labels."""
+
+    def __init__(self, recorder: RecorderBackend) -> None:
+        self.recorder = recorder
+        self.checks = 0
+        self.mismatches: list[tuple[dict[str, str], dict[str, str]]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        seen = self.recorder.thread_labels()
+        expected = current_labels()
+        with self._lock:
+            self.checks += 1
+            if seen != expected:
+                self.mismatches.append((dict(expected), dict(seen)))
+
+    def assert_exact(self, minimum_checks: int) -> None:
+        assert self.checks >= minimum_checks
+        assert self.mismatches == []
+
+
+def test_profile_labels_nest_merge_and_restore() -> None:
+    """Nested blocks merge over the enclosing labels and restore them on exit."""
+    assert current_labels() == {}
+    with profile_labels(tenant="acme", stage="a") as outer:
+        assert outer == {"tenant": "acme", "stage": "a"}
+        with profile_labels(stage="b", user_tier="gold"):
+            assert current_labels() == {"tenant": "acme", "stage": "b", "user_tier": "gold"}
+        assert current_labels() == {"tenant": "acme", "stage": "a"}
+    assert current_labels() == {}
+
+
+def test_profile_labels_restore_on_exception() -> None:
+    """Labels are removed when the block raises."""
+    with pytest.raises(KeyError), profile_labels(stage="x"):
+        raise KeyError("boom")
+    assert current_labels() == {}
+
+
+def test_profile_labels_decorates_sync_and_async(recorder: RecorderBackend) -> None:
+    """As a decorator, labels apply for each call of sync and async functions."""
+
+    @profile_labels(stage="sync")
+    def sync_fn() -> dict[str, str]:
+        assert recorder.thread_labels() == {"stage": "sync"}
+        return dict(current_labels())
+
+    @profile_labels(stage="async")
+    async def async_fn() -> dict[str, str]:
+        await asyncio.sleep(0)
+        assert recorder.thread_labels() == {"stage": "async"}
+        return dict(current_labels())
+
+    assert sync_fn() == {"stage": "sync"}
+    assert asyncio.run(async_fn()) == {"stage": "async"}
+    assert current_labels() == {}
+    assert recorder.thread_labels() == {}
+
+
+def test_reused_instance_is_safe_across_tasks() -> None:
+    """One profile_labels instance entered by two interleaving tasks resets each task's own."""
+    shared = profile_labels(stage="shared")
+
+    async def worker(name: str) -> dict[str, str]:
+        with profile_labels(worker=name):
+            with shared:
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+            return dict(current_labels())
+
+    async def main() -> list[dict[str, str]]:
+        return list(await asyncio.gather(worker("a"), worker("b")))
+
+    assert asyncio.run(main()) == [{"worker": "a"}, {"worker": "b"}]
+
+
+def test_invalid_label_names_raise() -> None:
+    """Label names Pyroscope rejects, and reserved ones, fail at once with ValueError."""
+    for bad in ("span_id", "trace_id", "span_name", "service_name", "__name__", "a-b", "1x", ""):
+        with pytest.raises(ValueError, match="profile_labels"):
+            profile_labels(**{bad: "v"})
+
+
+def test_values_are_sanitized() -> None:
+    """Values with characters Pyroscope rejects are replaced, and long ones truncated."""
+    with profile_labels(note='a=b,"c"\nd\u00e9', big="x" * 1000, n=5):
+        labels = current_labels()
+    assert labels["note"] == "a_b__c__d_"
+    assert len(labels["big"]) == 256
+    assert labels["n"] == "5"
+
+
+def test_interleaved_tasks_keep_exact_labels(recorder: RecorderBackend, loop_kind: str) -> None:
+    """Tasks switching on one loop each run under their own labels, at every step."""
+    check = Checker(recorder)
+
+    async def request(i: int) -> None:
+        with profile_labels(req=str(i)):
+            for _ in range(20):
+                check()
+                await asyncio.sleep(0)
+                check()
+
+    async def main() -> None:
+        attach_loop()
+        await asyncio.gather(*(asyncio.create_task(request(i)) for i in range(8)))
+        check()
+
+    run_on(loop_kind, main)
+    check.assert_exact(8 * 40)
+    assert recorder.labelled_threads() == {}
+
+
+def test_child_tasks_taskgroup_and_gather_inherit(
+    recorder: RecorderBackend, loop_kind: str
+) -> None:
+    """Child tasks, gather and TaskGroup members run under the parent's labels."""
+    check = Checker(recorder)
+    seen: list[dict[str, str]] = []
+
+    async def child(tag: str) -> None:
+        for _ in range(3):
+            check()
+            seen.append(dict(current_labels()))
+            await asyncio.sleep(0)
+
+    async def parent(i: int) -> None:
+        with profile_labels(req=str(i)):
+            await asyncio.create_task(child("task"))
+            await asyncio.gather(child("g1"), child("g2"))
+            if sys.version_info >= (3, 11):
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(child("tg1"))
+                    group.create_task(child("tg2"))
+            check()
+
+    async def main() -> None:
+        attach_loop()
+        await asyncio.gather(parent(1), parent(2))
+
+    run_on(loop_kind, main)
+    check.assert_exact(2 * 9)
+    assert {label["req"] for label in seen} == {"1", "2"}
+    assert recorder.labelled_threads() == {}
+
+
+def test_thread_pool_paths_carry_request_labels(recorder: RecorderBackend, loop_kind: str) -> None:
+    """run_in_executor, to_thread, anyio and submit run with the labels, then clear them."""
+    check = Checker(recorder)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    results: list[tuple[str, dict[str, str]]] = []
+
+    def work(path: str) -> None:
+        check()
+        results.append((path, dict(recorder.thread_labels())))
+
+    async def request(i: int) -> None:
+        loop = asyncio.get_running_loop()
+        with profile_labels(req=str(i)):
+            await loop.run_in_executor(None, work, "run_in_executor")
+            await loop.run_in_executor(pool, work, "run_in_executor_pool")
+            await asyncio.to_thread(work, "to_thread")
+            await anyio.to_thread.run_sync(work, "anyio")
+            await asyncio.wrap_future(pool.submit(work, "submit"))
+            check()
+
+    async def main() -> None:
+        attach_loop()
+        await asyncio.gather(*(request(i) for i in range(4)))
+
+    try:
+        run_on(loop_kind, main)
+    finally:
+        pool.shutdown()
+    check.assert_exact(4 * 6)
+    assert len(results) == 20
+    for path, labels in results:
+        assert set(labels) == {"req"}, path
+    # Every worker thread dropped the labels when its job ended.
+    assert recorder.labelled_threads() == {}
+
+
+def test_unlabelled_work_runs_without_labels(recorder: RecorderBackend, loop_kind: str) -> None:
+    """Code in a context without labels runs with none, even right after labelled code."""
+    check = Checker(recorder)
+
+    async def background() -> None:
+        for _ in range(10):
+            check()
+            assert recorder.thread_labels() == {}
+            await asyncio.sleep(0)
+
+    async def request() -> None:
+        with profile_labels(req="1"):
+            for _ in range(10):
+                check()
+                await asyncio.sleep(0)
+
+    async def main() -> None:
+        attach_loop()
+        bg = asyncio.create_task(background())
+        await asyncio.gather(asyncio.create_task(request()), bg)
+
+    run_on(loop_kind, main)
+    check.assert_exact(20)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="eager tasks exist from 3.12")
+def test_eager_tasks_leave_the_caller_its_labels(recorder: RecorderBackend, loop_kind: str) -> None:
+    """An eager task that sets labels and suspends hands the thread back to the caller's."""
+    check = Checker(recorder)
+
+    async def eager_child() -> None:
+        with profile_labels(child="yes"):
+            check()
+            await asyncio.sleep(0)
+            check()
+
+    def eager_factory(
+        loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
+    ) -> asyncio.Task[Any]:
+        kwargs["eager_start"] = True
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        # Not asyncio.eager_task_factory: uvloop 0.23 passes it `eager_start`, which 3.13's
+        # rejects (with or without spanprof).
+        loop.set_task_factory(eager_factory)  # type: ignore[arg-type]
+        attach_loop(loop)
+        with profile_labels(req="parent"):
+            task = asyncio.create_task(eager_child())
+            check()
+            assert recorder.thread_labels() == {"req": "parent"}
+            await task
+            check()
+
+    run_on(loop_kind, main)
+    check.assert_exact(4)
+
+
+def test_backend_failure_never_reaches_the_caller(caplog: pytest.LogCaptureFixture) -> None:
+    """A backend that raises on every push is logged once; labelled code runs normally."""
+
+    class Broken(RecorderBackend):
+        def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
+            raise RuntimeError("profiler down")
+
+    spanprof.install_label_engine(Broken())
+    try:
+
+        async def main() -> int:
+            total = 0
+            for i in range(50):
+                with profile_labels(req=str(i)):
+                    await asyncio.sleep(0)
+                    total += 1
+            return total
+
+        with caplog.at_level("WARNING", logger="spanprof"):
+            assert asyncio.run(main()) == 50
+    finally:
+        spanprof.uninstall_label_engine()
+    failures = [r for r in caplog.records if "failed to switch labels" in r.getMessage()]
+    assert len(failures) == 1
+
+
+def test_install_twice_and_uninstall_restore_originals() -> None:
+    """Installing twice is harmless; uninstalling restores every patched function."""
+    originals = (
+        asyncio.Handle._run,
+        concurrent.futures.ThreadPoolExecutor.submit,
+        anyio.to_thread.run_sync,
+    )
+    backend = RecorderBackend()
+    spanprof.install_label_engine(backend)
+    spanprof.install_label_engine(backend)
+    assert spanprof.installed_backend() is backend
+    assert asyncio.Handle._run is not originals[0]
+    spanprof.uninstall_label_engine()
+    spanprof.uninstall_label_engine()
+    assert spanprof.installed_backend() is None
+    assert (
+        asyncio.Handle._run,
+        concurrent.futures.ThreadPoolExecutor.submit,
+        anyio.to_thread.run_sync,
+    ) == originals
+
+
+def test_label_set_is_immutable_and_hashable() -> None:
+    """LabelSet compares by content, hashes, and has no mutators."""
+    a = LabelSet({"x": "1", "y": "2"})
+    b = LabelSet([("y", "2"), ("x", "1")])
+    assert a == b
+    assert hash(a) == hash(b)
+    assert a == {"x": "1", "y": "2"}
+    assert a.merged({"x": "3"}) == {"x": "3", "y": "2"}
+    assert a == {"x": "1", "y": "2"}
+    assert not hasattr(a, "__setitem__")

@@ -1,0 +1,419 @@
+"""pprof / push.v1 codecs and the local PushReceiver, down to the real pyroscope-io agent."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import textwrap
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from spanprof._pprof import (
+    Frame,
+    Profile,
+    ProfileBuilder,
+    ProfileDecodeError,
+    Sample,
+    decode_profile,
+    encode_profile,
+)
+from spanprof._protowire import (
+    WIRE_LEN,
+    as_bytes,
+    as_int,
+    as_str,
+    iter_fields,
+    put_bytes_field,
+    put_packed_varints_field,
+    put_string_field,
+    put_varint_field,
+    unpack_varints,
+)
+from spanprof._push import (
+    PUSH_CONTENT_TYPE,
+    PUSH_PATH,
+    PushDecodeError,
+    decode_push_request,
+    encode_push_request,
+)
+from spanprof._receiver import PushReceiver, ReceivedPush
+
+SPAN_ID = "0123456789abcdef"
+TRACE_ID = "0123456789abcdef0123456789abcdef"
+TEN_MS_NS = 10_000_000
+
+LEAF = Frame("leaf", "/app/mod.py", 12)
+MID = Frame("mid", "/app/mod.py", 30)
+ROOT = Frame("<module>", "/app/main.py", 1)
+
+
+@pytest.fixture
+def push_receiver() -> Iterator[PushReceiver]:
+    """A started PushReceiver on an ephemeral port, stopped afterwards."""
+    with PushReceiver() as receiver:
+        yield receiver
+
+
+def _sample_profile() -> Profile:
+    return Profile(
+        sample_types=(("cpu", "nanoseconds"), ("samples", "count")),
+        period_type=("cpu", "nanoseconds"),
+        period=TEN_MS_NS,
+        time_nanos=1_700_000_000_000_000_000,
+        duration_nanos=1_000_000_000,
+        samples=(
+            Sample(
+                (LEAF, MID, ROOT),
+                (30_000_000, 3),
+                (("span_id", SPAN_ID), ("route", "/a"), ("span_id", "fedcba9876543210")),
+            ),
+            Sample((MID, ROOT), (-10, 1), (), (("bytes", 4096, "bytes"),)),
+            Sample((ROOT,), (0, 0), (("empty", ""),)),
+            Sample((), (5, 1)),
+        ),
+        comments=("made by a test",),
+        default_sample_type="cpu",
+    )
+
+
+def _post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, dict(exc.headers), exc.read()
+
+
+def test_profile_round_trip_keeps_everything() -> None:
+    """decode(encode(p)) == p, including duplicate label keys, numeric labels and negatives."""
+    profile = _sample_profile()
+    assert decode_profile(encode_profile(profile)) == profile
+
+
+def test_profile_decode_accepts_gzip() -> None:
+    """A gzip-compressed pprof decodes to the same profile as the raw one."""
+    profile = _sample_profile()
+    assert decode_profile(gzip.compress(encode_profile(profile))) == profile
+
+
+def test_sample_label_values_keeps_duplicate_keys() -> None:
+    """label_values returns every value of a repeated key in wire order."""
+    sample = decode_profile(encode_profile(_sample_profile())).samples[0]
+    assert sample.label_values("span_id") == (SPAN_ID, "fedcba9876543210")
+    assert sample.label("route") == "/a"
+    assert sample.label("missing") is None
+
+
+def test_encoded_profile_is_structurally_valid_pprof() -> None:
+    """The encoder writes string_table[0]="", 1-based dense ids and packed sample fields."""
+    data = encode_profile(_sample_profile())
+    strings: list[str] = []
+    function_ids: list[int] = []
+    location_ids: list[int] = []
+    referenced_functions: set[int] = set()
+    referenced_locations: set[int] = set()
+    for field, _wire, value in iter_fields(data):
+        if field == 6:
+            strings.append(as_str(value))
+        elif field == 5:
+            function_ids.extend(as_int(v) for f, _w, v in iter_fields(as_bytes(value)) if f == 1)
+        elif field == 4:
+            for f, _w, v in iter_fields(as_bytes(value)):
+                if f == 1:
+                    location_ids.append(as_int(v))
+                elif f == 4:
+                    referenced_functions.update(
+                        as_int(lv) for lf, _lw, lv in iter_fields(as_bytes(v)) if lf == 1
+                    )
+        elif field == 2:
+            for f, w, v in iter_fields(as_bytes(value)):
+                if f in (1, 2):
+                    assert w == WIRE_LEN, "repeated scalars must be packed"
+                if f == 1:
+                    referenced_locations.update(unpack_varints(v))
+    assert strings[0] == ""
+    assert len(strings) == len(set(strings)), "strings are interned once"
+    assert function_ids == list(range(1, len(function_ids) + 1))
+    assert location_ids == list(range(1, len(location_ids) + 1))
+    assert referenced_functions <= set(function_ids)
+    assert referenced_locations <= set(location_ids)
+    assert len(location_ids) == 3, "identical frames share one location"
+
+
+def test_decode_flattens_inlined_frames_in_order() -> None:
+    """A Location with several Line entries yields its frames callee first, then round-trips."""
+    strings = ["", "cpu", "nanoseconds", "inlined_callee", "caller", "/f.py", "root"]
+    buf = bytearray()
+    vt = bytearray()
+    put_varint_field(vt, 1, 1)
+    put_varint_field(vt, 2, 2)
+    put_bytes_field(buf, 1, vt)
+    sample = bytearray()
+    put_packed_varints_field(sample, 1, [7, 9])
+    put_packed_varints_field(sample, 2, [20])
+    put_bytes_field(buf, 2, sample)
+    for loc_id, lines in ((7, [(11, 3), (12, 8)]), (9, [(13, 1)])):
+        loc = bytearray()
+        put_varint_field(loc, 1, loc_id)
+        for func_id, line_no in lines:
+            line = bytearray()
+            put_varint_field(line, 1, func_id)
+            put_varint_field(line, 2, line_no)
+            put_bytes_field(loc, 4, line)
+        put_bytes_field(buf, 4, loc)
+    for func_id, name_idx in ((11, 3), (12, 4), (13, 6)):
+        fn = bytearray()
+        put_varint_field(fn, 1, func_id)
+        put_varint_field(fn, 2, name_idx)
+        put_varint_field(fn, 4, 5)
+        put_bytes_field(buf, 5, fn)
+    for s in strings:
+        put_string_field(buf, 6, s)
+
+    profile = decode_profile(bytes(buf))
+    assert profile.samples[0].stack == (
+        Frame("inlined_callee", "/f.py", 3),
+        Frame("caller", "/f.py", 8),
+        Frame("root", "/f.py", 1),
+    )
+    assert profile.period_type == ("", "")
+    assert decode_profile(encode_profile(profile)) == profile
+
+
+def test_decode_rejects_malformed_profiles() -> None:
+    """Garbage bytes, bad gzip and dangling string indexes raise ProfileDecodeError."""
+    with pytest.raises(ProfileDecodeError):
+        decode_profile(b"\xff\xff\xff")
+    with pytest.raises(ProfileDecodeError):
+        decode_profile(b"\x1f\x8bnot gzip at all")
+    bad = bytearray()
+    vt = bytearray()
+    put_varint_field(vt, 1, 42)
+    put_bytes_field(bad, 1, vt)
+    put_string_field(bad, 6, "")
+    with pytest.raises(ProfileDecodeError, match="string index"):
+        decode_profile(bytes(bad))
+
+
+def test_builder_merges_identical_stack_and_labels() -> None:
+    """ProfileBuilder sums values of identical stack+labels and keeps distinct ones apart."""
+    builder = ProfileBuilder(period=TEN_MS_NS)
+    builder.add([LEAF, ROOT], TEN_MS_NS, [("span_id", SPAN_ID)])
+    builder.add((LEAF, ROOT), TEN_MS_NS, (("span_id", SPAN_ID),))
+    builder.add([LEAF, ROOT], TEN_MS_NS)
+    builder.add([MID, ROOT], [TEN_MS_NS], [("span_id", SPAN_ID)])
+    assert len(builder) == 3
+    profile = decode_profile(builder.build(time_nanos=5, duration_nanos=7))
+    assert profile.sample_types == (("cpu", "nanoseconds"),)
+    assert profile.period_type == ("cpu", "nanoseconds")
+    assert (profile.period, profile.time_nanos, profile.duration_nanos) == (TEN_MS_NS, 5, 7)
+    assert [(s.stack, s.values, s.labels) for s in profile.samples] == [
+        ((LEAF, ROOT), (2 * TEN_MS_NS,), (("span_id", SPAN_ID),)),
+        ((LEAF, ROOT), (TEN_MS_NS,), ()),
+        ((MID, ROOT), (TEN_MS_NS,), (("span_id", SPAN_ID),)),
+    ]
+    builder.reset()
+    assert len(builder) == 0
+    assert decode_profile(builder.build()).samples == ()
+
+
+def test_builder_rejects_wrong_number_of_values() -> None:
+    """add() needs exactly one value per sample type."""
+    builder = ProfileBuilder((("cpu", "nanoseconds"), ("samples", "count")))
+    with pytest.raises(ValueError, match="expected 2"):
+        builder.add([LEAF], 1)
+
+
+def test_push_request_round_trip() -> None:
+    """encode_push_request output decodes back, raw or gzip'd, with labels, profiles and IDs."""
+    profile = _sample_profile()
+    labels = [("__name__", "process_cpu"), ("service_name", "svc")]
+    ids = iter(["id-1", "id-2", "id-3"])
+    body = encode_push_request(
+        [(labels, [encode_profile(profile), gzip.compress(encode_profile(profile))]), ([], [])],
+        make_id=lambda: next(ids),
+    )
+    for payload, encoding in ((body, None), (gzip.compress(body), "gzip"), (body, "identity")):
+        series = decode_push_request(payload, encoding)
+        assert len(series) == 2
+        assert series[0].labels == tuple(labels)
+        assert series[0].label("service_name") == "svc"
+        assert series[0].profiles == (profile, profile)
+        assert series[0].sample_ids == ("id-1", "id-2")
+        assert series[1].labels == ()
+        assert series[1].profiles == ()
+
+
+def test_push_request_rejects_bad_input() -> None:
+    """Unknown encodings, broken gzip and garbage protobuf raise PushDecodeError."""
+    with pytest.raises(PushDecodeError, match="Content-Encoding"):
+        decode_push_request(b"", "br")
+    with pytest.raises(PushDecodeError):
+        decode_push_request(b"\x1f\x8b\x08garbage", "gzip")
+    with pytest.raises(PushDecodeError):
+        decode_push_request(b"\x0a\x05\x12\x03\xff\xff\xff", None)
+
+
+def test_receiver_accepts_push_like_pyroscope(push_receiver: PushReceiver) -> None:
+    """A gzip'd Connect push gets 200 with an empty application/proto body and is stored."""
+    builder = ProfileBuilder(period=TEN_MS_NS)
+    builder.add([LEAF, ROOT], 3 * TEN_MS_NS, [("span_id", SPAN_ID)])
+    series_labels = [("__name__", "process_cpu"), ("service_name", "unit")]
+    body = gzip.compress(encode_push_request([(series_labels, [builder.build()])]))
+    status, headers, payload = _post(
+        push_receiver.url + PUSH_PATH,
+        body,
+        {"Content-Type": PUSH_CONTENT_TYPE, "Content-Encoding": "gzip"},
+    )
+    assert (status, payload) == (200, b"")
+    assert headers["Content-Type"] == "application/proto"
+    assert push_receiver.pushes == 1
+    assert push_receiver.errors == []
+    [sample] = push_receiver.samples()
+    assert sample.series_labels == tuple(series_labels)
+    assert sample.stack == (LEAF, ROOT)
+    assert sample.value == 3 * TEN_MS_NS
+    assert sample.labels == (("span_id", SPAN_ID),)
+    assert push_receiver.wait_for(lambda r: len(r.series()) == 1, timeout=0.1)
+    push_receiver.clear()
+    assert (push_receiver.pushes, push_receiver.samples()) == (0, [])
+    assert not push_receiver.wait_for(lambda r: r.pushes > 0, timeout=0.05)
+
+
+def test_receiver_rejects_garbage_with_400(push_receiver: PushReceiver) -> None:
+    """An undecodable body gets a Connect invalid_argument 400 and is recorded as an error."""
+    status, headers, payload = _post(
+        push_receiver.url + PUSH_PATH,
+        b"\x1f\x8bthis is not gzip",
+        {"Content-Type": PUSH_CONTENT_TYPE, "Content-Encoding": "gzip"},
+    )
+    assert status == 400
+    assert headers["Content-Type"] == "application/json"
+    assert json.loads(payload)["code"] == "invalid_argument"
+    assert push_receiver.pushes == 0
+    assert len(push_receiver.errors) == 1
+
+
+def test_receiver_ignores_legacy_ingest_and_unknown_paths(push_receiver: PushReceiver) -> None:
+    """POST /ingest is answered 200 and dropped; other paths get 404."""
+    assert _post(push_receiver.url + "/ingest?name=x", b"foo;bar 1\n", {})[0] == 200
+    assert _post(push_receiver.url + "/nope", b"", {})[0] == 404
+    assert push_receiver.pushes == 0
+    assert push_receiver.errors == []
+
+
+def test_receiver_on_push_callback_errors_are_recorded() -> None:
+    """on_push sees each push; its exceptions become errors, not HTTP failures."""
+    seen: list[int] = []
+
+    def on_push(push: ReceivedPush) -> None:
+        seen.append(1)
+        raise RuntimeError("boom")
+
+    with PushReceiver(on_push=on_push) as receiver:
+        status, _headers, _payload = _post(
+            receiver.url + PUSH_PATH, encode_push_request([]), {"Content-Type": PUSH_CONTENT_TYPE}
+        )
+        assert status == 200
+        assert receiver.wait_for(lambda r: len(r.errors) == 1, timeout=2)
+    assert seen == [1]
+    assert "boom" in receiver.errors[0]
+
+
+_AGENT_SCRIPT = textwrap.dedent(
+    """
+    import logging, sys, time
+    import pyroscope
+
+    # Route the agent's own log (e.g. "Sending Session failed") to stderr.
+    logging.basicConfig(level=logging.WARNING)
+
+    # Bounded by wall time, not CPU time: the agent counts 10 ms ticks in which
+    # the thread looks active (runnable counts), so under CPU contention a
+    # CPU-time bound would inflate the reported value.
+    def marker_burn_alpha(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def marker_burn_beta(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    pyroscope.configure(
+        application_name="spanprof-test",
+        server_address=sys.argv[1],
+        upload_interval=1,
+        enable_logging=True,
+    )
+    pyroscope.add_thread_tag("span_id", sys.argv[2])
+    pyroscope.add_thread_tag("trace_id", sys.argv[3])
+    marker_burn_alpha(1.5)
+    pyroscope.remove_thread_tag("span_id", sys.argv[2])
+    pyroscope.remove_thread_tag("trace_id", sys.argv[3])
+    marker_burn_beta(0.5)
+    sys.exit(0 if pyroscope.shutdown() else 3)
+    """
+)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+def test_real_pyroscope_agent_pushes_span_labels(
+    push_receiver: PushReceiver, tmp_path: Path
+) -> None:
+    """pyroscope-io uploads to the receiver; thread tags arrive as per-sample pprof labels."""
+    script = tmp_path / "agent.py"
+    script.write_text(_AGENT_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), push_receiver.url, SPAN_ID, TRACE_ID],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "failed" not in proc.stderr.lower(), proc.stderr
+    assert push_receiver.errors == []
+    assert push_receiver.pushes >= 1
+
+    for series in push_receiver.series():
+        assert series.label("service_name") == "spanprof-test"
+        assert series.label("__name__") == "process_cpu"
+        for profile in series.profiles:
+            assert profile.sample_types == (("cpu", "nanoseconds"),)
+            assert profile.period_type == ("cpu", "nanoseconds")
+            assert profile.period == TEN_MS_NS
+            assert profile.duration_nanos > 0
+
+    samples = push_receiver.samples()
+    alpha = [s for s in samples if s.has_function("marker_burn_alpha")]
+    beta = [s for s in samples if s.has_function("marker_burn_beta")]
+    assert alpha
+    assert beta
+    # The agent aggregates per (stack, labels) and reports CPU time: 10 ms per tick.
+    assert all(s.value > 0 and s.value % TEN_MS_NS == 0 for s in samples)
+    for s in alpha:
+        if s.label_values("span_id"):
+            assert s.label_values("span_id") == (SPAN_ID,)
+            assert s.label_values("trace_id") == (TRACE_ID,)
+    # Samples are aggregated, so weigh by value: a tick racing the tag removal may
+    # land in alpha without labels.
+    alpha_total = sum(s.value for s in alpha)
+    tagged_total = sum(s.value for s in alpha if s.label_values("span_id") == (SPAN_ID,))
+    assert tagged_total >= 0.9 * alpha_total
+    assert all(s.label_values("span_id") == () for s in beta)
+    assert all(s.label_values("trace_id") == () for s in beta)
+    # 1.5 s (alpha) and 0.5 s (beta) of busy wall time at 100 Hz. On a loaded
+    # machine the sampler misses ticks, or catches up with extra ones (seen: 1.67 s
+    # for alpha), hence the slack.
+    assert 0.5e9 <= alpha_total <= 2.5e9
+    assert 0.1e9 <= sum(s.value for s in beta) <= 1.2e9
