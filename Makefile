@@ -13,8 +13,8 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check middleware tests benchmarks sample_app
-	$(BIN)/ruff format --check middleware tests benchmarks sample_app
+	$(BIN)/ruff check middleware tests benchmarks sample_app tools
+	$(BIN)/ruff format --check middleware tests benchmarks sample_app tools
 
 typecheck: $(BIN)/.installed
 	$(BIN)/mypy

@@ -1,0 +1,1 @@
+"""Sample services for the spanprof demo."""
