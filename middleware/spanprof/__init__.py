@@ -10,17 +10,21 @@ from ._asgi import FROM_ENV, ProfilingMiddleware
 from ._backend import ProfilerBackend
 from ._engine import install_label_engine, installed_backend, uninstall_label_engine
 from ._labelset import LabelSet
+from ._prometheus import PrometheusMetrics
 from ._pyroscope import PyroscopeBackend
 from ._recorder import RecorderBackend
 from ._scope import current_labels, profile_labels
+from ._slo import SloPolicy
 
 __all__ = [
     "FROM_ENV",
     "LabelSet",
     "ProfilerBackend",
     "ProfilingMiddleware",
+    "PrometheusMetrics",
     "PyroscopeBackend",
     "RecorderBackend",
+    "SloPolicy",
     "current_labels",
     "install_label_engine",
     "installed_backend",

@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
-from opentelemetry.metrics import NoOpMeterProvider
+from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
 from opentelemetry.trace import TracerProvider
 
 from ._backend import ProfilerBackend
 from ._config import parse_bool
+from ._duration import DurationRecorder
 from ._engine import attach_loop
 from ._logging import log_once
+from ._prometheus import PrometheusMetrics
 from ._pyroscope import PyroscopeBackend
-from ._routes import UNMATCHED, span_name, starlette_route_template
+from ._routes import UNMATCHED, known_method, span_name, starlette_route_template
 from ._runtime import ProfilerRuntime
 from ._scope import labels_scope
+from ._slo import SloPolicy
 from ._spanlabels import annotate_span, is_server_span, request_labels
 from ._types import ASGIApp, Message, Receive, Scope, Send
 
@@ -44,11 +48,12 @@ def _span_details(scope: Scope) -> tuple[str, dict[str, Any]]:
 
 
 class _Labelled:
-    """Runs inside the server span: label the request, then call the app."""
+    """Runs inside the server span: label the request, call the app, record its duration."""
 
-    def __init__(self, app: ASGIApp, *, with_trace_id: bool) -> None:
+    def __init__(self, app: ASGIApp, *, with_trace_id: bool, durations: DurationRecorder) -> None:
         self.app = app
         self.with_trace_id = with_trace_id
+        self.durations = durations
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         name, template = _ROUTE.get()
@@ -65,8 +70,46 @@ class _Labelled:
     ) -> None:
         labels = request_labels(span, name, with_trace_id=self.with_trace_id)
         annotate_span(span, labels, template)
-        with labels_scope(labels):
-            await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            with labels_scope(labels):
+                await self.app(scope, receive, send)
+            return
+
+        durations = self.durations
+        status_code: int | None = None
+        finished: float | None = None
+        start = time.perf_counter()
+
+        async def send_and_time(message: Message) -> None:
+            nonlocal status_code, finished
+            kind = message["type"]
+            if kind == "http.response.start":
+                status_code = message["status"]
+            elif kind == "http.response.body" and not message.get("more_body", False):
+                # The last chunk of the body, streaming or not: the response is complete, and
+                # the server span ends as this message goes out, so mark it now.
+                finished = time.perf_counter()
+                durations.mark(span, template, finished - start)
+            await send(message)
+
+        failure: BaseException | None = None
+        try:
+            with labels_scope(labels):
+                await self.app(scope, receive, send_and_time)
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            end = time.perf_counter() if finished is None else finished
+            durations.record(
+                end - start,
+                method=known_method(scope.get("method", "")),
+                route=template,
+                scheme=scope.get("scheme"),
+                status_code=status_code,
+                exc=failure,
+                span=span,
+            )
 
 
 class ProfilingMiddleware:
@@ -96,6 +139,16 @@ class ProfilingMiddleware:
         route_resolver: ``scope -> template or None`` for non-Starlette apps; default: match
             the Starlette/FastAPI routes of the app.
         excluded_urls: comma-separated URL patterns to leave untraced (OpenTelemetry syntax).
+        meter_provider: where the ``http.server.request.duration`` histogram is recorded
+            (default: the global provider). OTel's own ASGI metrics are not recorded, so there
+            is exactly one duration stream.
+        slo_seconds: the latency SLO of every route (default 0.5, or ``SPANPROF_SLO_SECONDS``).
+            Slower requests get an exemplar with their span's ids and the span attributes
+            ``spanprof.slo.breached`` and ``spanprof.slo.threshold_s``.
+        route_slos: per-route SLOs by template, e.g. ``{"/checkout": 0.25}`` (or
+            ``SPANPROF_ROUTE_SLO="/checkout=0.25,/search=1"``).
+        prometheus: also record the histogram (with exemplars) in this ``PrometheusMetrics``.
+        environ: the environment to read settings from (default ``os.environ``).
     """
 
     def __init__(
@@ -107,6 +160,10 @@ class ProfilingMiddleware:
         trace_id_label: bool | None = None,
         route_resolver: Callable[[Scope], str | None] | None = None,
         excluded_urls: str | None = None,
+        meter_provider: MeterProvider | None = None,
+        slo_seconds: float | None = None,
+        route_slos: Mapping[str, float] | None = None,
+        prometheus: PrometheusMetrics | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> None:
         env = os.environ if environ is None else environ
@@ -122,7 +179,13 @@ class ProfilingMiddleware:
             raw = env.get("SPANPROF_TRACE_ID_LABEL")
             trace_id_label = True if raw is None else parse_bool("SPANPROF_TRACE_ID_LABEL", raw)
         self._resolve = route_resolver
-        self._labelled = _Labelled(app, with_trace_id=trace_id_label)
+        slo = SloPolicy.build(slo_seconds=slo_seconds, route_slos=route_slos, environ=env)
+        durations = DurationRecorder(
+            meter_provider=meter_provider,
+            slo=slo,
+            extra_sinks=(prometheus.observe,) if prometheus is not None else (),
+        )
+        self._labelled = _Labelled(app, with_trace_id=trace_id_label, durations=durations)
         self._traced = OpenTelemetryMiddleware(
             self._labelled,
             excluded_urls=excluded_urls,

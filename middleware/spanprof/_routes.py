@@ -13,7 +13,13 @@ from typing import Any
 
 from ._labelset import sanitize_value
 
-__all__ = ["UNMATCHED", "RouteResolver", "span_name", "starlette_route_template"]
+__all__ = [
+    "UNMATCHED",
+    "RouteResolver",
+    "known_method",
+    "span_name",
+    "starlette_route_template",
+]
 
 UNMATCHED = "<unmatched>"
 
@@ -26,13 +32,17 @@ _MAX_NAMES = 10_000
 _names: dict[tuple[str, str], str] = {}
 
 
+def known_method(method: str) -> str:
+    """The method if it is a standard one, else ``_OTHER`` (bounded, as OTel does)."""
+    return method if method in _KNOWN_METHODS else "_OTHER"
+
+
 def span_name(method: str, template: str) -> str:
     """``"GET /items/{item_id}"``: a known method (else ``_OTHER``) and the sanitized template."""
     key = (method, template)
     name = _names.get(key)
     if name is None:
-        verb = method if method in _KNOWN_METHODS else "_OTHER"
-        name = sanitize_value(f"{verb} {template}")
+        name = sanitize_value(f"{known_method(method)} {template}")
         if len(_names) < _MAX_NAMES:  # bounded: templates are few, but a custom resolver may lie
             _names[key] = name
     return name

@@ -1,0 +1,130 @@
+"""Response → duration → exemplar: the request-duration histogram with SLO-breach exemplars.
+
+The SDK's exemplar filter is provider-wide, so spanprof does not touch it. Instead it decides
+per measurement which context it records with: a breaching request records with its server
+span's context (the default ``TraceBasedExemplarFilter`` keeps an exemplar with its ids); a
+request within its SLO records with a context holding ``INVALID_SPAN``, which the filter
+rejects (an empty ``Context()`` would not: the SDK falls back to the current context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry import metrics
+from opentelemetry.context import Context
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.trace import INVALID_SPAN, Span, set_span_in_context
+
+from ._logging import log_once
+from ._slo import SloPolicy
+
+__all__ = [
+    "BREACH_ATTRIBUTE",
+    "DURATION_BUCKETS",
+    "THRESHOLD_ATTRIBUTE",
+    "DurationRecorder",
+    "error_type",
+]
+
+# OTel HTTP semantic conventions' advice for http.server.request.duration.
+DURATION_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)  # fmt: skip
+
+BREACH_ATTRIBUTE = "spanprof.slo.breached"
+THRESHOLD_ATTRIBUTE = "spanprof.slo.threshold_s"
+
+_NO_EXEMPLAR: Context = set_span_in_context(INVALID_SPAN)
+
+BreachSink = Callable[[float, dict[str, Any], Span | None], None]
+
+
+def error_type(status_code: int | None, exc: BaseException | None) -> str | None:
+    """``error.type``: the exception's class, else a 5xx status, else nothing."""
+    if exc is not None:
+        return type(exc).__qualname__
+    if status_code is None:
+        return "incomplete"
+    if status_code >= 500:
+        return str(status_code)
+    return None
+
+
+class DurationRecorder:
+    """Records one ``http.server.request.duration`` measurement per request.
+
+    Arguments:
+        meter_provider: where the histogram lives (default: the global provider).
+        slo: the thresholds deciding which requests leave an exemplar.
+        extra_sinks: more recorders (e.g. the Prometheus histogram) called with
+            ``(seconds, attributes, span_if_breached)``.
+    """
+
+    def __init__(
+        self,
+        *,
+        meter_provider: MeterProvider | None,
+        slo: SloPolicy,
+        extra_sinks: tuple[BreachSink, ...] = (),
+    ) -> None:
+        from . import __version__
+
+        meter = metrics.get_meter("spanprof", __version__, meter_provider)
+        self._histogram = meter.create_histogram(
+            "http.server.request.duration",
+            unit="s",
+            description="Duration of HTTP server requests.",
+            explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS),
+        )
+        self.slo = slo
+        self._sinks = extra_sinks
+
+    def mark(self, span: Span, route: str | None, seconds: float) -> bool:
+        """Tell the span whether it breached its SLO; returns whether it did.
+
+        Call it before the last body message is sent: OpenTelemetry's ASGI middleware ends
+        the server span as that message goes out, and an ended span takes no attributes.
+        """
+        threshold = self.slo.threshold(route)
+        breached = seconds > threshold
+        if breached and span.is_recording():
+            span.set_attribute(BREACH_ATTRIBUTE, True)
+            span.set_attribute(THRESHOLD_ATTRIBUTE, threshold)
+        return breached
+
+    def record(
+        self,
+        seconds: float,
+        *,
+        method: str,
+        route: str | None,
+        scheme: str | None,
+        status_code: int | None,
+        exc: BaseException | None,
+        span: Span,
+    ) -> None:
+        """Record one request; mark and exemplify it if it breached its SLO. Never raises."""
+        try:
+            attributes: dict[str, Any] = {"http.request.method": method}
+            if route is not None:
+                attributes["http.route"] = route
+            if scheme:
+                attributes["url.scheme"] = scheme
+            if status_code is not None:
+                attributes["http.response.status_code"] = status_code
+            failure = error_type(status_code, exc)
+            if failure is not None:
+                attributes["error.type"] = failure
+            breached = self.mark(span, route, seconds)
+            context = set_span_in_context(span) if breached else _NO_EXEMPLAR
+            self._histogram.record(max(seconds, 0.0), attributes, context=context)
+            for sink in self._sinks:
+                sink(seconds, attributes, span if breached else None)
+        except Exception:
+            log_once(
+                "duration-record",
+                "spanprof: recording the request duration failed; the request is unaffected "
+                "(logged once)",
+            )

@@ -1,0 +1,88 @@
+"""The request-duration histogram for Prometheus, with OpenMetrics exemplars (extra ``prometheus``).
+
+Prometheus stores exemplars only from the OpenMetrics exposition format, which
+``prometheus_client`` writes when the scraper sends ``Accept: application/openmetrics-text``
+(Prometheus does, with ``--enable-feature=exemplar-storage``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.trace import Span
+
+from ._duration import DURATION_BUCKETS
+from ._types import ASGIApp
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+__all__ = ["PrometheusMetrics"]
+
+_LABELS = ("http_request_method", "http_route", "http_response_status_code", "error_type")
+
+
+class PrometheusMetrics:
+    """``http_server_request_duration_seconds`` in a ``prometheus_client`` registry.
+
+    Pass it to the middleware and mount its endpoint::
+
+        metrics = spanprof.PrometheusMetrics()
+        app.add_middleware(spanprof.ProfilingMiddleware, prometheus=metrics)
+        app.mount("/metrics", metrics.asgi_app())
+
+    Requests that breach their SLO observe with an exemplar ``{trace_id, span_id}``; the others
+    without one.
+
+    Arguments:
+        registry: the registry to register the histogram in (default: a new one owned by this
+            object; pass ``prometheus_client.REGISTRY`` to expose it with your other metrics).
+        name: the metric name without the ``_seconds`` unit suffix.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        name: str = "http_server_request_duration",
+    ) -> None:
+        try:
+            import prometheus_client
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "PrometheusMetrics needs prometheus_client: pip install 'spanprof[prometheus]'"
+            ) from exc
+        self.registry = prometheus_client.CollectorRegistry() if registry is None else registry
+        self._histogram = prometheus_client.Histogram(
+            name,
+            "Duration of HTTP server requests.",
+            labelnames=_LABELS,
+            unit="seconds",
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe(self, seconds: float, attributes: dict[str, Any], breached: Span | None) -> None:
+        """Observe one request; ``breached`` is its server span when it breached its SLO."""
+        child = self._histogram.labels(
+            str(attributes.get("http.request.method", "")),
+            str(attributes.get("http.route", "")),
+            str(attributes.get("http.response.status_code", "")),
+            str(attributes.get("error.type", "")),
+        )
+        exemplar = None
+        if breached is not None:
+            ctx = breached.get_span_context()
+            if ctx.is_valid:
+                exemplar = {
+                    "trace_id": format(ctx.trace_id, "032x"),
+                    "span_id": format(ctx.span_id, "016x"),
+                }
+        child.observe(max(seconds, 0.0), exemplar)
+
+    def asgi_app(self) -> ASGIApp:
+        """An ASGI app serving the registry (OpenMetrics when the scraper asks for it)."""
+        from prometheus_client import make_asgi_app
+
+        app: ASGIApp = make_asgi_app(self.registry)
+        return app

@@ -1,0 +1,89 @@
+"""Latency SLOs: a default threshold and per-route overrides keyed by route template."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["DEFAULT_SLO_SECONDS", "SloPolicy"]
+
+DEFAULT_SLO_SECONDS = 0.5
+
+
+def _threshold(setting: str, value: object) -> float:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{setting}={value!r}: expected a positive number of seconds")
+    return number
+
+
+def _route(setting: str, template: object) -> str:
+    if not isinstance(template, str) or not template.startswith("/"):
+        raise ValueError(
+            f"{setting}: route {template!r} must be a route template starting with '/', "
+            "like '/items/{item_id}'"
+        )
+    return template
+
+
+@dataclass(frozen=True)
+class SloPolicy:
+    """Which duration breaches a request's SLO: ``routes`` by template, else ``default``."""
+
+    default: float = DEFAULT_SLO_SECONDS
+    routes: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        slo_seconds: float | None,
+        route_slos: Mapping[str, float] | None,
+        environ: Mapping[str, str],
+    ) -> SloPolicy:
+        """Options first, then ``SPANPROF_SLO_SECONDS`` / ``SPANPROF_ROUTE_SLO``, then 0.5 s."""
+        if slo_seconds is not None:
+            default = _threshold("slo_seconds", slo_seconds)
+        elif "SPANPROF_SLO_SECONDS" in environ:
+            default = _threshold("SPANPROF_SLO_SECONDS", environ["SPANPROF_SLO_SECONDS"])
+        else:
+            default = DEFAULT_SLO_SECONDS
+        routes: dict[str, float] = {}
+        if route_slos is not None:
+            for template, seconds in route_slos.items():
+                routes[_route("route_slos", template)] = _threshold(
+                    f"route_slos[{template!r}]", seconds
+                )
+        elif environ.get("SPANPROF_ROUTE_SLO", "").strip():
+            routes = cls.parse_routes("SPANPROF_ROUTE_SLO", environ["SPANPROF_ROUTE_SLO"])
+        return cls(default=default, routes=routes)
+
+    @staticmethod
+    def parse_routes(setting: str, text: str) -> dict[str, float]:
+        """``/checkout=0.25,/search=1`` to ``{"/checkout": 0.25, "/search": 1.0}``."""
+        routes: dict[str, float] = {}
+        for part in text.split(","):
+            if not part.strip():
+                continue
+            template, sep, seconds = part.rpartition("=")
+            if not sep:
+                raise ValueError(
+                    f"{setting}={text!r}: expected comma-separated route=seconds pairs, "
+                    "like '/checkout=0.25,/search=1'"
+                )
+            routes[_route(setting, template.strip())] = _threshold(
+                f"{setting} ({template.strip()})", seconds.strip()
+            )
+        return routes
+
+    def threshold(self, route: str | None) -> float:
+        """The SLO of ``route`` (a template, or ``None`` when no route matched)."""
+        if route is not None:
+            override = self.routes.get(route)
+            if override is not None:
+                return override
+        return self.default

@@ -1,0 +1,306 @@
+"""SLO-breach exemplars: slow requests link the duration histogram to their exact span."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from spanprof import ProfilingMiddleware, SloPolicy
+
+
+async def _sleepy(request: Request) -> Response:
+    await asyncio.sleep(float(request.query_params.get("sleep", "0")))
+    return PlainTextResponse("ok")
+
+
+async def _fail(request: Request) -> Response:
+    raise ValueError("nope")
+
+
+async def _stream(request: Request) -> Response:
+    async def body() -> Any:
+        for _ in range(3):
+            await asyncio.sleep(0.03)
+            yield b"chunk"
+
+    return StreamingResponse(body())
+
+
+def _app() -> Starlette:
+    return Starlette(
+        routes=[
+            Route("/checkout", _sleepy),
+            Route("/search", _sleepy),
+            Route("/fail", _fail),
+            Route("/stream", _stream),
+        ]
+    )
+
+
+@pytest.fixture
+def metric_reader() -> InMemoryMetricReader:
+    """An in-memory reader on a fresh MeterProvider with the SDK's default exemplar settings."""
+    return InMemoryMetricReader()
+
+
+@pytest.fixture
+def meter_provider(metric_reader: InMemoryMetricReader) -> Iterator[MeterProvider]:
+    """A MeterProvider read by ``metric_reader``."""
+    provider = MeterProvider(metric_readers=[metric_reader])
+    yield provider
+    provider.shutdown()
+
+
+def _points(reader: InMemoryMetricReader, name: str) -> list[HistogramDataPoint]:
+    data = reader.get_metrics_data()
+    points: list[HistogramDataPoint] = []
+    if data is None:
+        return points
+    for resource_metrics in data.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                if metric.name == name:
+                    points.extend(p for p in metric.data.data_points)  # type: ignore[misc]
+    return points
+
+
+def _server_spans(exporter: InMemorySpanExporter) -> list[ReadableSpan]:
+    return [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
+
+
+def _run(app: Any, requests: list[str]) -> list[int]:
+    async def main() -> list[int]:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return [(await client.get(path)).status_code for path in requests]
+
+    return asyncio.run(main())
+
+
+def test_exemplars_exactly_for_breaching_requests(
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    meter_provider: MeterProvider,
+    metric_reader: InMemoryMetricReader,
+) -> None:
+    """Fast and slow requests on two routes with different SLOs: exemplars only for breaches."""
+    app = ProfilingMiddleware(
+        _app(),
+        profiler=None,
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+        slo_seconds=0.2,
+        route_slos={"/checkout": 0.05},
+        environ={},
+    )
+    statuses = _run(
+        app,
+        [
+            "/checkout?sleep=0",  # within 0.05
+            "/checkout?sleep=0.08",  # breach (0.05)
+            "/search?sleep=0.08",  # within 0.2
+            "/search?sleep=0",  # within
+            "/search?sleep=0.25",  # breach (0.2)
+        ],
+    )
+    assert statuses == [200] * 5
+    spans = _server_spans(span_exporter)
+    assert len(spans) == 5
+    breached = {
+        s.context.span_id: s for s in spans if (s.attributes or {}).get("spanprof.slo.breached")
+    }
+    assert len(breached) == 2
+    for span in breached.values():
+        assert span.attributes is not None
+        threshold = span.attributes["spanprof.slo.threshold_s"]
+        assert threshold == (0.05 if span.attributes["http.route"] == "/checkout" else 0.2)
+    points = _points(metric_reader, "http.server.request.duration")
+    assert sum(p.count for p in points) == 5  # exactly one stream entry per request
+    exemplars = [e for p in points for e in p.exemplars]
+    assert {e.span_id for e in exemplars} == set(breached)
+    for exemplar in exemplars:
+        span = breached[exemplar.span_id]
+        assert exemplar.trace_id == span.context.trace_id
+        assert exemplar.value > float(span.attributes["spanprof.slo.threshold_s"])  # type: ignore[arg-type,index]
+    routes = {(p.attributes or {})["http.route"] for p in points}
+    assert routes == {"/checkout", "/search"}
+    for point in points:
+        assert point.attributes is not None
+        assert point.attributes["http.request.method"] == "GET"
+        assert point.attributes["http.response.status_code"] == 200
+        assert "error.type" not in point.attributes
+
+
+def test_failures_carry_error_type_and_streaming_counts_in_full(
+    tracer_provider: TracerProvider,
+    meter_provider: MeterProvider,
+    metric_reader: InMemoryMetricReader,
+) -> None:
+    """A raising handler records error.type and 500; a streaming body's time is included."""
+    app = ProfilingMiddleware(
+        _app(),
+        profiler=None,
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+        environ={},
+    )
+    assert _run(app, ["/fail", "/stream"]) == [500, 200]
+    points = {
+        (p.attributes or {})["http.route"]: p
+        for p in _points(metric_reader, "http.server.request.duration")
+    }
+    fail = points["/fail"]
+    assert fail.attributes is not None
+    assert fail.attributes["error.type"] == "ValueError"
+    assert fail.attributes["http.response.status_code"] == 500
+    assert points["/stream"].sum >= 0.09
+
+
+@pytest.mark.parametrize("mode", ["", "http", "http/dup"])
+def test_one_duration_stream_in_every_semconv_mode(
+    mode: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tracer_provider: TracerProvider,
+    meter_provider: MeterProvider,
+    metric_reader: InMemoryMetricReader,
+) -> None:
+    """Whatever OTEL_SEMCONV_STABILITY_OPT_IN says, only spanprof's histogram is recorded."""
+    from opentelemetry.instrumentation import _semconv
+    from opentelemetry.metrics import set_meter_provider  # noqa: F401 - documents the global
+
+    monkeypatch.setenv("OTEL_SEMCONV_STABILITY_OPT_IN", mode)
+    monkeypatch.setattr(_semconv._OpenTelemetrySemanticConventionStability, "_initialized", False)
+    app = ProfilingMiddleware(
+        _app(),
+        profiler=None,
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+        environ={},
+    )
+    _run(app, ["/search", "/search"])
+    data = metric_reader.get_metrics_data()
+    assert data is not None
+    names = [m.name for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
+    assert names == ["http.server.request.duration"]
+
+
+def test_users_own_histogram_keeps_its_exemplars(
+    tracer_provider: TracerProvider,
+    meter_provider: MeterProvider,
+    metric_reader: InMemoryMetricReader,
+) -> None:
+    """Another instrument in the same provider still gets exemplars for fast requests."""
+    user_histogram = meter_provider.get_meter("user").create_histogram("user.work")
+
+    async def work(request: Request) -> Response:
+        user_histogram.record(1.0)  # inside the (sampled) server span: default filter keeps it
+        return PlainTextResponse("ok")
+
+    app = ProfilingMiddleware(
+        Starlette(routes=[Route("/work", work)]),
+        profiler=None,
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+        slo_seconds=10,
+        environ={},
+    )
+    assert _run(app, ["/work"]) == [200]
+    (user_point,) = _points(metric_reader, "user.work")
+    assert len(user_point.exemplars) == 1
+    assert user_point.exemplars[0].span_id is not None
+    (ours,) = _points(metric_reader, "http.server.request.duration")
+    assert ours.exemplars == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "environ", "setting"),
+    [
+        ({"slo_seconds": 0}, {}, "slo_seconds"),
+        ({"slo_seconds": float("nan")}, {}, "slo_seconds"),
+        ({}, {"SPANPROF_SLO_SECONDS": "fast"}, "SPANPROF_SLO_SECONDS"),
+        ({}, {"SPANPROF_ROUTE_SLO": "/checkout:0.25"}, "SPANPROF_ROUTE_SLO"),
+        ({}, {"SPANPROF_ROUTE_SLO": "checkout=0.25"}, "SPANPROF_ROUTE_SLO"),
+        ({}, {"SPANPROF_ROUTE_SLO": "/checkout=-1"}, "SPANPROF_ROUTE_SLO"),
+        ({"route_slos": {"/x": "soon"}}, {}, "route_slos"),
+    ],
+)
+def test_bad_slo_settings_name_the_setting(
+    kwargs: dict[str, Any], environ: dict[str, str], setting: str
+) -> None:
+    """Bad SLO options and variables raise ValueError naming the setting."""
+    with pytest.raises(ValueError, match=setting):
+        ProfilingMiddleware(_app(), profiler=None, environ=environ, **kwargs)
+
+
+def test_slo_policy_reads_the_environment() -> None:
+    """SPANPROF_SLO_SECONDS and SPANPROF_ROUTE_SLO configure the thresholds."""
+    policy = SloPolicy.build(
+        slo_seconds=None,
+        route_slos=None,
+        environ={"SPANPROF_SLO_SECONDS": "0.3", "SPANPROF_ROUTE_SLO": "/checkout=0.25, /s/{q}=1"},
+    )
+    assert policy.threshold(None) == 0.3
+    assert policy.threshold("/other") == 0.3
+    assert policy.threshold("/checkout") == 0.25
+    assert policy.threshold("/s/{q}") == 1.0
+    assert SloPolicy.build(slo_seconds=None, route_slos=None, environ={}).default == 0.5
+
+
+def test_otlp_exporter_carries_the_breach_exemplars(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """The real OTLP/HTTP metric exporter sends exemplars with the breaching spans' ids."""
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    from .otlp_receiver import OtlpReceiver
+
+    with OtlpReceiver() as receiver:
+        reader = PeriodicExportingMetricReader(
+            OTLPMetricExporter(endpoint=f"{receiver.url}/v1/metrics"),
+            export_interval_millis=60_000,
+        )
+        provider = MeterProvider(metric_readers=[reader])
+        app = ProfilingMiddleware(
+            _app(),
+            profiler=None,
+            tracer_provider=tracer_provider,
+            meter_provider=provider,
+            route_slos={"/checkout": 0.05},
+            environ={},
+        )
+        assert _run(app, ["/checkout?sleep=0", "/checkout?sleep=0.08", "/search"]) == [200] * 3
+        provider.force_flush()
+        provider.shutdown()
+        assert receiver.errors == []
+        messages = list(receiver.metrics)
+    exemplars = [
+        exemplar
+        for message in messages
+        for rm in message.resource_metrics
+        for sm in rm.scope_metrics
+        for metric in sm.metrics
+        if metric.name == "http.server.request.duration"
+        for point in metric.histogram.data_points
+        for exemplar in point.exemplars
+    ]
+    (breach,) = [
+        s for s in _server_spans(span_exporter) if (s.attributes or {}).get("spanprof.slo.breached")
+    ]
+    assert len(exemplars) == 1
+    assert exemplars[0].span_id == breach.context.span_id.to_bytes(8, "big")
+    assert exemplars[0].trace_id == breach.context.trace_id.to_bytes(16, "big")
+    assert exemplars[0].as_double > 0.05
