@@ -225,7 +225,7 @@ class ProfilingMiddleware:
         self._runtime.ensure_started()
         attach_loop()
         template = self._template(scope)
-        method = scope.get("method") or "WEBSOCKET"
+        method = scope.get("method", "") if kind == "http" else "WEBSOCKET"
         name = span_name(method, template if template is not None else UNMATCHED)
         current = trace.get_current_span()
         if is_server_span(current):
