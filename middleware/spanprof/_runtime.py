@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 from ._backend import ProfilerBackend
 from ._engine import install_label_engine, installed_backend, uninstall_label_engine
 from ._logging import log_once
 
-__all__ = ["ProfilerRuntime"]
+__all__ = ["SHUTDOWN_TIMEOUT_SECONDS", "ProfilerRuntime"]
+
+# A flush to an endpoint that accepts but never answers would otherwise hold the server's
+# graceful shutdown hostage (measured: pyroscope-io's shutdown() blocks for good).
+SHUTDOWN_TIMEOUT_SECONDS = 5.0
 
 
 class ProfilerRuntime:
@@ -20,8 +25,11 @@ class ProfilerRuntime:
     the parent's, which the agent does not carry over a fork.
     """
 
-    def __init__(self, backend: ProfilerBackend | None) -> None:
+    def __init__(
+        self, backend: ProfilerBackend | None, *, shutdown_timeout: float = SHUTDOWN_TIMEOUT_SECONDS
+    ) -> None:
         self.backend = backend
+        self.shutdown_timeout = shutdown_timeout
         self._lock = threading.Lock()
         self._pid: int | None = None
 
@@ -67,10 +75,29 @@ class ProfilerRuntime:
             self._pid = None
             if installed_backend() is backend:
                 uninstall_label_engine()
-            try:
-                backend.shutdown()
-            except Exception:
-                log_once(
-                    f"backend-shutdown-{id(backend)}",
-                    "spanprof: the profiler backend failed to shut down cleanly (logged once)",
-                )
+        if not _call_with_timeout(backend.shutdown, self.shutdown_timeout):
+            log_once(
+                f"backend-shutdown-timeout-{id(backend)}",
+                f"spanprof: the profiler did not flush within {self.shutdown_timeout:g} s "
+                "(profile endpoint unreachable?); shutting down without it",
+                exc_info=False,
+            )
+
+
+def _call_with_timeout(call: Callable[[], None], timeout: float) -> bool:
+    """Run ``call`` on a daemon thread; ``False`` if it did not return within ``timeout``."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            call()
+        except Exception:
+            log_once(
+                f"backend-shutdown-{id(call)}",
+                "spanprof: the profiler backend failed to shut down cleanly (logged once)",
+            )
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="spanprof-shutdown", daemon=True).start()
+    return done.wait(timeout)

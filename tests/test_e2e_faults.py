@@ -1,0 +1,114 @@
+"""Profiler faults: a Pyroscope endpoint that is down, hangs or fails never touches requests."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from .e2e.server import free_port, serve, uvicorn_argv
+
+pytestmark = pytest.mark.e2e
+
+
+@contextmanager
+def faulty_endpoint(mode: str) -> Iterator[str]:
+    """A Pyroscope URL that refuses connections, never answers, or answers 500."""
+    if mode == "down":
+        yield f"http://127.0.0.1:{free_port()}"
+        return
+    if mode == "hang":
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        held: list[socket.socket] = []
+        stop = threading.Event()
+
+        def accept() -> None:
+            listener.settimeout(0.2)
+            while not stop.is_set():
+                try:
+                    held.append(listener.accept()[0])  # read nothing, answer nothing
+                except OSError:
+                    continue
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+        finally:
+            stop.set()
+            thread.join()
+            for conn in held:
+                conn.close()
+            listener.close()
+        return
+
+    class Fail(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Fail)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def _fire(base: str, count: int) -> list[int]:
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        gate = asyncio.Semaphore(16)
+
+        async def one(i: int) -> int:
+            async with gate:
+                return (await client.get(f"/burn/{i % 16}")).status_code
+
+        return list(await asyncio.gather(*(one(i) for i in range(count))))
+
+
+@pytest.mark.parametrize("mode", ["down", "hang", "500"])
+def test_requests_succeed_whatever_the_profiler_endpoint_does(mode: str, tmp_path: Path) -> None:
+    """Every request succeeds and the server still shuts down promptly."""
+    port = free_port()
+    log = tmp_path / "uvicorn.log"
+    with faulty_endpoint(mode) as address:
+        env = {
+            "PYROSCOPE_SERVER_ADDRESS": address,
+            "PYROSCOPE_UPLOAD_INTERVAL": "1",
+            "E2E_STEP_SECONDS": "0.002",
+            "E2E_POOL_SECONDS": "0.002",
+        }
+        with serve(
+            uvicorn_argv("tests.e2e.asgi_app:app", port, "asyncio"),
+            health_url=f"http://127.0.0.1:{port}/health",
+            env=env,
+            log_path=log,
+        ) as process:
+            statuses = asyncio.run(_fire(f"http://127.0.0.1:{port}", 64))
+            time.sleep(1.5)  # at least one upload attempt against the broken endpoint
+            stopping = time.monotonic()
+        stopped_after = time.monotonic() - stopping
+        assert process.returncode is not None
+    assert statuses == [200] * 64
+    text = log.read_text()
+    assert "Traceback" not in text, text[-2000:]
+    # The agent's final flush must not hold shutdown hostage to a hanging endpoint.
+    assert stopped_after < 20, f"shutdown took {stopped_after:.1f} s"
