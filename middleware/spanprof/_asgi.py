@@ -16,13 +16,13 @@ from opentelemetry.trace import TracerProvider
 from ._backend import ProfilerBackend
 from ._config import parse_bool
 from ._duration import DurationRecorder
-from ._engine import attach_loop
+from ._engine import attach_loop, sync
+from ._labelset import LABELS
 from ._logging import log_once
 from ._prometheus import PrometheusMetrics
 from ._pyroscope import PyroscopeBackend
 from ._routes import UNMATCHED, known_method, span_name, starlette_route_template
 from ._runtime import ProfilerRuntime
-from ._scope import labels_scope
 from ._slo import SloPolicy
 from ._spanlabels import annotate_span, is_server_span, request_labels
 from ._types import ASGIApp, Message, Receive, Scope, Send
@@ -38,13 +38,16 @@ class _FromEnv:
 FROM_ENV: Any = _FromEnv()
 """Default of ``profiler=``: a ``PyroscopeBackend`` if ``PYROSCOPE_SERVER_ADDRESS`` is set."""
 
-# (span name, route template) of the request entering the OpenTelemetry layer.
-_ROUTE: ContextVar[tuple[str, str | None]] = ContextVar("spanprof.route", default=("", None))
+# (span name, route template, reused server span?) of the request entering the labelled layer.
+_ROUTE: ContextVar[tuple[str, str | None, bool]] = ContextVar(
+    "spanprof.route", default=("", None, False)
+)
 
 
 def _span_details(scope: Scope) -> tuple[str, dict[str, Any]]:
-    name, template = _ROUTE.get()
-    return name, ({"http.route": template} if template is not None else {})
+    # http.route is set once, with pyroscope.profile.id, in annotate_span: OTel's ASGI
+    # middleware sets every start attribute a second time, so passing it here costs double.
+    return _ROUTE.get()[0], {}
 
 
 class _Labelled:
@@ -56,32 +59,28 @@ class _Labelled:
         self.durations = durations
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        name, template = _ROUTE.get()
-        await self.run(scope, receive, send, trace.get_current_span(), name, template)
-
-    async def run(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        span: trace.Span,
-        name: str,
-        template: str | None,
-    ) -> None:
+        name, template, _ = _ROUTE.get()
+        span = trace.get_current_span()
         labels = request_labels(span, name, with_trace_id=self.with_trace_id)
         annotate_span(span, labels, template)
         if scope["type"] != "http":
-            with labels_scope(labels):
+            token = LABELS.set(labels)
+            sync()
+            try:
                 await self.app(scope, receive, send)
+            finally:
+                LABELS.reset(token)
+                sync()
             return
 
         durations = self.durations
         status_code: int | None = None
         finished: float | None = None
+        breached: bool | None = None
         start = time.perf_counter()
 
         async def send_and_time(message: Message) -> None:
-            nonlocal status_code, finished
+            nonlocal status_code, finished, breached
             kind = message["type"]
             if kind == "http.response.start":
                 status_code = message["status"]
@@ -89,17 +88,20 @@ class _Labelled:
                 # The last chunk of the body, streaming or not: the response is complete, and
                 # the server span ends as this message goes out, so mark it now.
                 finished = time.perf_counter()
-                durations.mark(span, template, finished - start)
+                breached = durations.mark(span, template, finished - start)
             await send(message)
 
         failure: BaseException | None = None
+        token = LABELS.set(labels)
+        sync()
         try:
-            with labels_scope(labels):
-                await self.app(scope, receive, send_and_time)
+            await self.app(scope, receive, send_and_time)
         except BaseException as exc:
             failure = exc
             raise
         finally:
+            LABELS.reset(token)
+            sync()
             end = time.perf_counter() if finished is None else finished
             durations.record(
                 end - start,
@@ -109,6 +111,7 @@ class _Labelled:
                 status_code=status_code,
                 exc=failure,
                 span=span,
+                breached=breached,
             )
 
 
@@ -205,7 +208,7 @@ class ProfilingMiddleware:
         try:
             if self._resolve is not None:
                 return self._resolve(scope)
-            return starlette_route_template(dict(scope), self.app)
+            return starlette_route_template(scope, self.app)
         except Exception:
             log_once(
                 "route-resolver",
@@ -228,15 +231,13 @@ class ProfilingMiddleware:
         method = scope.get("method", "") if kind == "http" else "WEBSOCKET"
         name = span_name(method, template if template is not None else UNMATCHED)
         current = trace.get_current_span()
-        if is_server_span(current):
+        reused = is_server_span(current)
+        if reused and template is not None and current.is_recording():
             # FastAPIInstrumentor or opentelemetry-instrument already opened the server span.
-            if template is not None and current.is_recording():
-                current.update_name(name)
-            await self._labelled.run(scope, receive, send, current, name, template)
-            return
-        token = _ROUTE.set((name, template))
+            current.update_name(name)
+        token = _ROUTE.set((name, template, reused))
         try:
-            await self._traced(scope, receive, send)
+            await (self._labelled if reused else self._traced)(scope, receive, send)
         finally:
             _ROUTE.reset(token)
 

@@ -52,6 +52,24 @@ def error_type(status_code: int | None, exc: BaseException | None) -> str | None
     return None
 
 
+_MAX_ATTRIBUTE_SETS = 4096
+
+
+def _attributes(
+    method: str, route: str | None, scheme: str | None, status: int | None, failure: str | None
+) -> dict[str, Any]:
+    attributes: dict[str, Any] = {"http.request.method": method}
+    if route is not None:
+        attributes["http.route"] = route
+    if scheme:
+        attributes["url.scheme"] = scheme
+    if status is not None:
+        attributes["http.response.status_code"] = status
+    if failure is not None:
+        attributes["error.type"] = failure
+    return attributes
+
+
 class DurationRecorder:
     """Records one ``http.server.request.duration`` measurement per request.
 
@@ -80,6 +98,9 @@ class DurationRecorder:
         )
         self.slo = slo
         self._sinks = extra_sinks
+        # The attribute dicts repeat (methods x routes x statuses): build each once. Shared
+        # dicts are never mutated, by us or by the SDK, which keys aggregations by their items.
+        self._attributes: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     def mark(self, span: Span, route: str | None, seconds: float) -> bool:
         """Tell the span whether it breached its SLO; returns whether it did.
@@ -104,20 +125,23 @@ class DurationRecorder:
         status_code: int | None,
         exc: BaseException | None,
         span: Span,
+        breached: bool | None = None,
     ) -> None:
-        """Record one request; mark and exemplify it if it breached its SLO. Never raises."""
+        """Record one request; mark and exemplify it if it breached its SLO. Never raises.
+
+        ``breached`` is what ``mark`` returned if the caller already marked the span.
+        """
         try:
-            attributes: dict[str, Any] = {"http.request.method": method}
-            if route is not None:
-                attributes["http.route"] = route
-            if scheme:
-                attributes["url.scheme"] = scheme
-            if status_code is not None:
-                attributes["http.response.status_code"] = status_code
             failure = error_type(status_code, exc)
-            if failure is not None:
-                attributes["error.type"] = failure
-            breached = self.mark(span, route, seconds)
+            key = (method, route, scheme, status_code, failure)
+            attributes = self._attributes.get(key)
+            if attributes is None:
+                attributes = _attributes(method, route, scheme, status_code, failure)
+                if len(self._attributes) >= _MAX_ATTRIBUTE_SETS:
+                    self._attributes.clear()
+                self._attributes[key] = attributes
+            if breached is None:
+                breached = self.mark(span, route, seconds)
             context = set_span_in_context(span) if breached else _NO_EXEMPLAR
             self._histogram.record(max(seconds, 0.0), attributes, context=context)
             for sink in self._sinks:

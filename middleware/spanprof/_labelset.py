@@ -9,8 +9,9 @@ exactly as they inherit any other context.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from contextvars import ContextVar
+from typing import Any
 
 __all__ = [
     "EMPTY",
@@ -68,20 +69,29 @@ class LabelSet(Mapping[str, str]):
 
     Label sets are compared by content, but the label engine first compares them by identity:
     a request keeps one ``LabelSet`` object for its whole life, so the common "labels did not
-    change between two task steps" check is a single pointer comparison.
+    change between two task steps" check is a single pointer comparison. The sorted form and
+    the hash are computed only when asked for: the request path never needs them.
     """
 
     __slots__ = ("_hash", "_items", "_map")
 
     _map: dict[str, str]
-    _items: tuple[tuple[str, str], ...]
-    _hash: int
+    _items: tuple[tuple[str, str], ...] | None
+    _hash: int | None
 
     def __init__(self, items: Mapping[str, str] | Iterable[tuple[str, str]] = ()) -> None:
-        mapping = dict(items.items() if isinstance(items, Mapping) else items)
+        self._map = dict(items.items() if isinstance(items, Mapping) else items)
+        self._items = None
+        self._hash = None
+
+    @classmethod
+    def _adopt(cls, mapping: dict[str, str]) -> LabelSet:
+        # For callers that built a fresh dict they will never touch again.
+        self = cls.__new__(cls)
         self._map = mapping
-        self._items = tuple(sorted(mapping.items()))
-        self._hash = hash(self._items)
+        self._items = None
+        self._hash = None
+        return self
 
     def merged(self, other: Mapping[str, str]) -> LabelSet:
         """Return a new set with ``other``'s labels laid over this one's."""
@@ -89,10 +99,26 @@ class LabelSet(Mapping[str, str]):
             return self
         combined = dict(self._map)
         combined.update(other)
-        return LabelSet(combined)
+        return LabelSet._adopt(combined)
 
     def __getitem__(self, key: str) -> str:
         return self._map[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of ``key``, or ``default``."""
+        return self._map.get(key, default)
+
+    def items(self) -> ItemsView[str, str]:
+        """The ``(key, value)`` pairs."""
+        return self._map.items()
+
+    def keys(self) -> KeysView[str]:
+        """The label names."""
+        return self._map.keys()
+
+    def values(self) -> ValuesView[str]:
+        """The label values."""
+        return self._map.values()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._map)
@@ -100,24 +126,35 @@ class LabelSet(Mapping[str, str]):
     def __len__(self) -> int:
         return len(self._map)
 
+    def __bool__(self) -> bool:
+        return bool(self._map)
+
     def __contains__(self, key: object) -> bool:
         return key in self._map
 
     def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(frozenset(self._map.items()))
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, LabelSet):
-            return self._items == other._items
-        return Mapping.__eq__(self, other)
+        # type() first: isinstance() against an ABC subclass goes through ABCMeta, and the
+        # label engine compares label sets on every switch.
+        if type(other) is LabelSet or isinstance(other, LabelSet):
+            return self._map == other._map
+        if isinstance(other, Mapping):
+            return self._map == dict(other.items())
+        return NotImplemented
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{k}={v!r}" for k, v in self._items)
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.items_tuple)
         return f"LabelSet({inner})"
 
     @property
     def items_tuple(self) -> tuple[tuple[str, str], ...]:
         """The labels as a sorted tuple of pairs, ready for a profile encoder."""
+        if self._items is None:
+            self._items = tuple(sorted(self._map.items()))
         return self._items
 
 

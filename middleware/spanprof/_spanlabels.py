@@ -25,15 +25,21 @@ def request_labels(span: Span, name: str, *, with_trace_id: bool) -> LabelSet:
         own["span_id"] = format(ctx.span_id, "016x")
         if with_trace_id:
             own["trace_id"] = format(ctx.trace_id, "032x")
-    return LABELS.get().merged(own)
+    enclosing = LABELS.get()
+    if enclosing:
+        own = {**enclosing, **own}
+    return LabelSet._adopt(own)
 
 
-def annotate_span(span: Span, labels: LabelSet, template: str | None) -> None:
-    """Link the span to its profile and name its route (when the router will match one)."""
+def annotate_span(span: Span, labels: LabelSet, template: str | None = None) -> None:
+    """Link the span to its profile and name its route (one attribute call: each takes a lock)."""
     if not span.is_recording():
         return
     span_id = labels.get("span_id")
-    if span_id is not None:
-        span.set_attribute(PROFILE_ID_ATTRIBUTE, span_id)
     if template is not None:
-        span.set_attribute("http.route", template)
+        if span_id is not None:
+            span.set_attributes({PROFILE_ID_ATTRIBUTE: span_id, "http.route": template})
+        else:
+            span.set_attribute("http.route", template)
+    elif span_id is not None:
+        span.set_attribute(PROFILE_ID_ATTRIBUTE, span_id)
