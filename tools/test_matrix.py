@@ -59,7 +59,8 @@ def main() -> int:
         venv = ROOT / f".venv-{version}"
         py = venv / "bin" / "python"
         stamp = venv / ".installed"
-        if not stamp.exists():
+        pyproject = ROOT / "pyproject.toml"
+        if not stamp.exists() or stamp.stat().st_mtime < pyproject.stat().st_mtime:
             run([str(exe), "-m", "venv", "--clear", str(venv)])
             run(
                 [

@@ -9,12 +9,15 @@ from __future__ import annotations
 from ._asgi import FROM_ENV, ProfilingMiddleware
 from ._backend import ProfilerBackend
 from ._engine import install_label_engine, installed_backend, uninstall_label_engine
+from ._greenlets import install_greenlet_labels, uninstall_greenlet_labels
 from ._labelset import LabelSet
 from ._prometheus import PrometheusMetrics
 from ._pyroscope import PyroscopeBackend
 from ._recorder import RecorderBackend
 from ._scope import current_labels, profile_labels
 from ._slo import SloPolicy
+from ._wsgi import WSGIProfilingMiddleware
+from ._wsgi_routes import django_route_resolver, flask_route_resolver
 
 __all__ = [
     "FROM_ENV",
@@ -25,10 +28,15 @@ __all__ = [
     "PyroscopeBackend",
     "RecorderBackend",
     "SloPolicy",
+    "WSGIProfilingMiddleware",
     "current_labels",
+    "django_route_resolver",
+    "flask_route_resolver",
+    "install_greenlet_labels",
     "install_label_engine",
     "installed_backend",
     "profile_labels",
+    "uninstall_greenlet_labels",
     "uninstall_label_engine",
 ]
 

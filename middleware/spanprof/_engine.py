@@ -26,10 +26,11 @@ import concurrent.futures
 import contextlib
 import functools
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Generator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._backend import ProfilerBackend
 from ._labelset import EMPTY, LABELS, LabelSet
@@ -48,7 +49,24 @@ __all__ = [
 T = TypeVar("T")
 
 
-class _ThreadState(threading.local):
+def _native_thread_local() -> type[threading.local]:
+    # gevent's monkey patching swaps threading.local for a greenlet-local class. The engine must
+    # remember what it pushed per OS thread, as the profiler keys labels: take the original
+    # class when spanprof is imported after patching (gunicorn's gevent worker without preload).
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is None:
+        return threading.local
+    original: type[threading.local] = monkey.get_original("_thread", "_local")
+    return original
+
+
+if TYPE_CHECKING:
+    _NativeLocal = threading.local
+else:
+    _NativeLocal = _native_thread_local()
+
+
+class _ThreadState(_NativeLocal):
     # What the backend was last told for this thread.
     labels: LabelSet = EMPTY
 

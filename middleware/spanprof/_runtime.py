@@ -52,7 +52,6 @@ class ProfilerRuntime:
             pid = os.getpid()
             if self._pid == pid:
                 return
-            self._pid = pid
             try:
                 backend.start()
             except Exception:
@@ -61,8 +60,12 @@ class ProfilerRuntime:
                     "spanprof: the profiler backend failed to start; requests are served "
                     "without profiles (logged once)",
                 )
-                return
-            install_label_engine(backend)
+            else:
+                install_label_engine(backend)
+            finally:
+                # Set last: until the engine feeds the backend, other threads' first requests
+                # wait in ensure_started() instead of setting labels nobody pushes.
+                self._pid = pid
 
     def stop(self) -> None:
         """Uninstall the engine (if it feeds this backend) and flush the backend."""

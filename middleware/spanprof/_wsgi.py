@@ -1,0 +1,463 @@
+"""``WSGIProfilingMiddleware``: one server span per request, and its labels on every sample.
+
+A WSGI request runs in two parts: the app call, and the server iterating the returned body
+(a generator body runs the app's code then) until it calls ``close()``. spanprof sets the
+request's labels and OpenTelemetry context around each part (the call, every ``next()`` and
+``close()``) and removes them after it, so the server's own work between chunks carries no
+request labels, a server that never calls ``close()`` leaves no labels behind, and the request
+ends (span, duration) when the body is closed, so streaming bodies count in full.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+from wsgiref.util import request_uri
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.instrumentation._semconv import (
+    _get_schema_url,
+    _OpenTelemetrySemanticConventionStability,
+    _OpenTelemetryStabilitySignalType,
+    _StabilityMode,
+)
+from opentelemetry.instrumentation.wsgi import (
+    add_response_attributes,
+    collect_custom_request_headers_attributes,
+    collect_custom_response_headers_attributes,
+    collect_request_attributes,
+    wsgi_getter,
+)
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.propagate import extract
+from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
+from opentelemetry.util.http import ExcludeList, parse_excluded_urls
+
+from ._asgi import FROM_ENV
+from ._backend import ProfilerBackend
+from ._config import parse_bool
+from ._duration import DurationRecorder
+from ._labelset import LabelSet
+from ._logging import log_once
+from ._prometheus import PrometheusMetrics
+from ._pyroscope import PyroscopeBackend
+from ._routes import UNMATCHED, known_method, span_name
+from ._runtime import ProfilerRuntime
+from ._scope import labels_scope
+from ._slo import SloPolicy
+from ._spanlabels import annotate_span, is_server_span, request_labels
+from ._wsgi_routes import WSGIRouteResolver, default_route_resolver
+
+if TYPE_CHECKING:
+    from _typeshed import OptExcInfo
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
+
+__all__ = ["WSGIProfilingMiddleware"]
+
+_WriteCallable = Callable[[bytes], object]
+
+
+class WSGIProfilingMiddleware:
+    """WSGI middleware: a server span per request and exact profile labels for its code.
+
+    Every request gets one SERVER span (or reuses the server span an outer instrumentation
+    already made current) and runs with the labels ``span_id``, ``trace_id`` and
+    ``span_name`` (``GET /items/<int:item_id>``) while the app is called and while its body is
+    iterated and closed. Thread-pool work and (with ``install_greenlet_labels``) gevent
+    greenlets it starts inherit them. The span ends, and the request duration is recorded, when
+    the server closes the response.
+
+    ```python
+    app = Flask(__name__)
+    app.wsgi_app = spanprof.WSGIProfilingMiddleware(app.wsgi_app)
+
+    application = spanprof.WSGIProfilingMiddleware(get_wsgi_application())  # Django wsgi.py
+    ```
+
+    The profiler starts on the first request a process serves, so under a pre-forking server
+    (gunicorn, uWSGI, also with ``preload_app``) it starts in each worker after the fork, never
+    in the master.
+
+    Arguments:
+        app: the WSGI application (for Flask, ``app.wsgi_app``).
+        profiler: a ``ProfilerBackend``; default: ``PyroscopeBackend.from_env()`` (no profiler
+            when ``PYROSCOPE_SERVER_ADDRESS`` is unset); ``None``: labels without a profiler.
+            Started on the first request of each process; its last window is flushed at exit.
+        tracer_provider: the OpenTelemetry tracer provider (default: the global one).
+        trace_id_label: label samples with ``trace_id`` too (default ``True``, or
+            ``SPANPROF_TRACE_ID_LABEL``).
+        route_resolver: ``environ -> template or None``; default: the routes of a Flask app
+            (or its ``wsgi_app``) or of Django's ``WSGIHandler``; other apps are named
+            ``<unmatched>`` without one.
+        excluded_urls: comma-separated URL patterns to leave untraced and unlabelled
+            (OpenTelemetry syntax).
+        meter_provider: where the ``http.server.request.duration`` histogram is recorded
+            (default: the global provider).
+        slo_seconds: the latency SLO of every route (default 0.5, or ``SPANPROF_SLO_SECONDS``);
+            slower requests get an exemplar with their span's ids.
+        route_slos: per-route SLOs by template (or ``SPANPROF_ROUTE_SLO``).
+        prometheus: also record the histogram (with exemplars) in this ``PrometheusMetrics``.
+        environ: the environment to read settings from (default ``os.environ``).
+    """
+
+    def __init__(
+        self,
+        app: WSGIApplication,
+        *,
+        profiler: ProfilerBackend | None = FROM_ENV,
+        tracer_provider: TracerProvider | None = None,
+        trace_id_label: bool | None = None,
+        route_resolver: WSGIRouteResolver | None = None,
+        excluded_urls: str | None = None,
+        meter_provider: MeterProvider | None = None,
+        slo_seconds: float | None = None,
+        route_slos: Mapping[str, float] | None = None,
+        prometheus: PrometheusMetrics | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        env = os.environ if environ is None else environ
+        if not callable(app):
+            raise ValueError(f"app: expected a WSGI application (a callable), got {app!r}")
+        if route_resolver is not None and not callable(route_resolver):
+            raise ValueError(
+                f"route_resolver: expected a callable environ -> str | None, got {route_resolver!r}"
+            )
+        self.app = app
+        backend = PyroscopeBackend.from_env(env) if profiler is FROM_ENV else profiler
+        if backend is not None and not isinstance(backend, ProfilerBackend):
+            raise ValueError(
+                "profiler: expected a ProfilerBackend (start, shutdown, set_thread_labels), "
+                f"got {backend!r}"
+            )
+        self._runtime = ProfilerRuntime(backend)
+        if trace_id_label is None:
+            raw = env.get("SPANPROF_TRACE_ID_LABEL")
+            trace_id_label = True if raw is None else parse_bool("SPANPROF_TRACE_ID_LABEL", raw)
+        self._with_trace_id = trace_id_label
+        self._resolve = (
+            route_resolver if route_resolver is not None else default_route_resolver(app)
+        )
+        self._excluded: ExcludeList | None = (
+            parse_excluded_urls(excluded_urls) if excluded_urls else None
+        )
+        slo = SloPolicy.build(slo_seconds=slo_seconds, route_slos=route_slos, environ=env)
+        self._durations = DurationRecorder(
+            meter_provider=meter_provider,
+            slo=slo,
+            extra_sinks=(prometheus.observe,) if prometheus is not None else (),
+        )
+        _OpenTelemetrySemanticConventionStability._initialize()  # type: ignore[no-untyped-call]
+        self._semconv: _StabilityMode = (
+            _OpenTelemetrySemanticConventionStability._get_opentelemetry_stability_opt_in_mode(
+                _OpenTelemetryStabilitySignalType.HTTP
+            )
+        )
+        from . import __version__
+
+        self._tracer = trace.get_tracer(
+            "spanprof.wsgi",
+            __version__,
+            tracer_provider,
+            schema_url=_get_schema_url(self._semconv),
+        )
+
+    @property
+    def profiler(self) -> ProfilerBackend | None:
+        """The backend this middleware starts in each process."""
+        return self._runtime.backend
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        # The first request of each process, after any fork, starts the profiler.
+        self._runtime.ensure_started()
+        if self._excluded is not None and self._excluded.url_disabled(_request_url(environ)):
+            return self.app(environ, start_response)
+        return self._begin(environ).run(self.app, environ, start_response)
+
+    def _template(self, environ: WSGIEnvironment) -> str | None:
+        resolve = self._resolve
+        if resolve is None:
+            return None
+        try:
+            template = resolve(environ)
+        except Exception:
+            log_once(
+                "wsgi-route-resolver",
+                "spanprof: resolving the route template failed; requests are named "
+                f"'{UNMATCHED}' (logged once)",
+            )
+            return None
+        return template if isinstance(template, str) else None
+
+    def _begin(self, environ: WSGIEnvironment) -> _Request:
+        started = time.perf_counter()
+        template = self._template(environ)
+        method = str(environ.get("REQUEST_METHOD") or "GET")
+        name = span_name(method, template if template is not None else UNMATCHED)
+        current = trace.get_current_span()
+        attributes: dict[str, Any] = {}
+        if is_server_span(current):
+            # An outer instrumentation (OpenTelemetryMiddleware, opentelemetry-instrument)
+            # already opened the server span: label that one, open no second span.
+            span = current
+            owns_span = False
+            if template is not None and span.is_recording():
+                span.update_name(name)
+            ctx = otel_context.get_current()
+        else:
+            if current.get_span_context().is_valid:
+                parent = otel_context.get_current()
+                kind = SpanKind.INTERNAL
+            else:
+                parent = extract(environ, getter=wsgi_getter)
+                kind = SpanKind.SERVER
+            attributes = collect_request_attributes(environ, self._semconv)
+            span = self._tracer.start_span(name, parent, kind=kind, attributes=attributes)
+            owns_span = True
+            if kind is SpanKind.SERVER and span.is_recording():
+                custom = collect_custom_request_headers_attributes(environ)
+                if custom:
+                    span.set_attributes(custom)
+            ctx = trace.set_span_in_context(span, parent)
+        labels = request_labels(span, name, with_trace_id=self._with_trace_id)
+        annotate_span(span, labels, template)
+        return _Request(
+            self,
+            span=span,
+            owns_span=owns_span,
+            context=ctx,
+            labels=labels,
+            method=method,
+            template=template,
+            scheme=environ.get("wsgi.url_scheme"),
+            attributes=attributes,
+            started=started,
+        )
+
+    def _request_ended(
+        self,
+        duration_s: float,
+        method: str,
+        template: str | None,
+        status_code: int | None,
+        error: BaseException | None,
+        span: trace.Span,
+        scheme: str | None = None,
+    ) -> None:
+        """The request is over (its body closed, or it failed): record its duration.
+
+        Runs before spanprof ends the span, so the span can still take attributes. Never
+        raises.
+        """
+        self._durations.record(
+            duration_s,
+            method=known_method(method),
+            route=template,
+            scheme=scheme,
+            status_code=status_code,
+            exc=error,
+            span=span,
+        )
+
+
+def _request_url(environ: WSGIEnvironment) -> str:
+    try:
+        return request_uri(environ)
+    except Exception:  # a malformed environ: match on the path alone
+        return str(environ.get("PATH_INFO", ""))
+
+
+class _Request:
+    """One request's state, from the app call to ``close()`` (never kept on the middleware)."""
+
+    __slots__ = (
+        "attributes",
+        "context",
+        "error",
+        "finished",
+        "labels",
+        "method",
+        "middleware",
+        "owns_span",
+        "scheme",
+        "span",
+        "started",
+        "status_code",
+        "template",
+    )
+
+    def __init__(
+        self,
+        middleware: WSGIProfilingMiddleware,
+        *,
+        span: trace.Span,
+        owns_span: bool,
+        context: otel_context.Context,
+        labels: LabelSet,
+        method: str,
+        template: str | None,
+        scheme: str | None,
+        attributes: dict[str, Any],
+        started: float,
+    ) -> None:
+        self.middleware = middleware
+        self.span = span
+        self.owns_span = owns_span
+        self.context = context
+        self.labels = labels
+        self.method = method
+        self.template = template
+        self.scheme = scheme
+        self.attributes = attributes
+        self.started = started
+        self.status_code: int | None = None
+        self.error: BaseException | None = None
+        self.finished = False
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a part of the request (the app call, ``next``, ``close``) with its labels."""
+        token = otel_context.attach(self.context)
+        try:
+            with labels_scope(self.labels):
+                return fn(*args)
+        except StopIteration:
+            raise
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        finally:
+            otel_context.detach(token)
+
+    def run(
+        self, app: WSGIApplication, environ: WSGIEnvironment, start_response: StartResponse
+    ) -> Iterable[bytes]:
+        """Call the app; return its body wrapped so that iterating and closing stay labelled."""
+
+        def labelled_start_response(
+            status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None, /
+        ) -> _WriteCallable:
+            self.response_started(status, headers)
+            if exc_info is None:
+                return start_response(status, headers)
+            # With exc_info after the headers went out, the server re-raises: the app (and
+            # spanprof's call) sees that exception.
+            return start_response(status, headers, exc_info)
+
+        result: Iterable[bytes] = self.call(app, environ, labelled_start_response)
+        file_wrapper = environ.get("wsgi.file_wrapper")
+        if isinstance(file_wrapper, type) and isinstance(result, file_wrapper):
+            return self._hand_over_file(result)
+        return _Body(result, self)
+
+    def _hand_over_file(self, result: Iterable[bytes]) -> Iterable[bytes]:
+        # The server sends a file wrapper its own way (sendfile): pass it through untouched and
+        # end the request when the server closes it.
+        inner_close = getattr(result, "close", None)
+        request = self
+
+        def close() -> None:
+            try:
+                if inner_close is not None:
+                    inner_close()
+            finally:
+                request.finish()
+
+        try:
+            setattr(result, "close", close)  # noqa: B010 - an instance attribute on any wrapper
+        except (AttributeError, TypeError):  # a wrapper that takes no attributes: end now
+            self.finish()
+        return result
+
+    def response_started(self, status: str, headers: list[tuple[str, str]]) -> None:
+        """``start_response`` was called: remember the status, describe it on our span."""
+        code, _, _ = status.partition(" ")
+        try:
+            self.status_code = int(code)
+        except ValueError:
+            self.status_code = None
+        if not self.owns_span:
+            return
+        try:
+            middleware = self.middleware
+            add_response_attributes(
+                self.span, status, headers, self.attributes, middleware._semconv
+            )
+            if self.span.is_recording() and getattr(self.span, "kind", None) is SpanKind.SERVER:
+                custom = collect_custom_response_headers_attributes(headers)
+                if custom:
+                    self.span.set_attributes(custom)
+        except Exception:
+            log_once(
+                "wsgi-response-attributes",
+                "spanprof: describing the response on the span failed; the request is "
+                "unaffected (logged once)",
+            )
+
+    def fail(self, exc: BaseException) -> None:
+        """The app raised (in the call, the body or ``close``): record it, end the request."""
+        if self.error is None:
+            self.error = exc
+            span = self.span
+            if self.owns_span and span.is_recording():
+                span.record_exception(exc)
+                span.set_attribute("error.type", type(exc).__qualname__)
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        self.finish()
+
+    def finish(self) -> None:
+        """End the request once: record its duration, then end the span if it is ours."""
+        if self.finished:
+            return
+        self.finished = True
+        duration = time.perf_counter() - self.started
+        self.middleware._request_ended(
+            duration,
+            self.method,
+            self.template,
+            self.status_code,
+            self.error,
+            self.span,
+            self.scheme,
+        )
+        if self.owns_span:
+            self.span.end()
+
+
+class _Body:
+    """The app's response body, iterated and closed with the request's labels and context."""
+
+    __slots__ = ("_closed", "_iterator", "_request", "_result")
+
+    def __init__(self, result: Iterable[bytes], request: _Request) -> None:
+        self._result = result
+        self._request = request
+        self._iterator: Iterator[bytes] | None = None
+        self._closed = False
+
+    def __iter__(self) -> _Body:
+        return self
+
+    def __next__(self) -> bytes:
+        chunk: bytes = self._request.call(self._advance)
+        return chunk
+
+    def _advance(self) -> bytes:
+        iterator = self._iterator
+        if iterator is None:
+            iterator = self._iterator = iter(self._result)
+        return next(iterator)
+
+    def close(self) -> None:
+        """Close the app's body (running its cleanup with the labels), then end the request."""
+        if self._closed:
+            return
+        self._closed = True
+        request = self._request
+        try:
+            close = getattr(self._result, "close", None)
+            if close is not None:
+                request.call(close)
+        finally:
+            request.finish()
