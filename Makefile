@@ -9,7 +9,7 @@ PIP_FLAGS ?= --quiet --disable-pip-version-check
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(PIP_FLAGS) --upgrade pip
-	$(BIN)/pip install $(PIP_FLAGS) -e '.[dev]'
+	$(BIN)/pip install $(PIP_FLAGS) -e '.[dev,demo]'
 	touch $@
 
 lint: $(BIN)/.installed

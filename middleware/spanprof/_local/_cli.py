@@ -1,0 +1,118 @@
+"""The ``spanprof`` command: ``spanprof dev module:app`` runs an app in local mode."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+from collections.abc import Sequence
+
+from ._mode import LocalMode, import_app
+from ._slo import SloPolicy, policy_from
+
+__all__ = ["main"]
+
+_DESCRIPTION = """\
+Run a web app wrapped by spanprof's ProfilingMiddleware (ASGI) or WSGIProfilingMiddleware
+(WSGI) with everything in one process: an embedded profile receiver, the spans kept in memory,
+and a local page listing SLO breaches, each with its own flame graph, trace and pprof file.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spanprof", description="spanprof tools")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    dev = commands.add_parser(
+        "dev",
+        help="run an app with the local profile, trace and SLO-breach page",
+        description=_DESCRIPTION,
+    )
+    dev.add_argument("app", help="the app as module:attribute, e.g. myservice.main:app")
+    dev.add_argument("--factory", action="store_true", help="call module:attribute to get the app")
+    dev.add_argument("--host", default="127.0.0.1", help="app host (default 127.0.0.1)")
+    dev.add_argument("--port", type=int, default=8000, help="app port (default 8000)")
+    dev.add_argument("--ui-host", default="127.0.0.1", help="page host (default 127.0.0.1)")
+    dev.add_argument("--ui-port", type=int, default=8001, help="page port (default 8001)")
+    dev.add_argument(
+        "--slo",
+        metavar="SECONDS",
+        help="latency SLO of every route (default SPANPROF_SLO_SECONDS, else 0.5)",
+    )
+    dev.add_argument(
+        "--route-slo",
+        metavar="ROUTE=SECONDS,...",
+        help="per-route SLOs by route template, e.g. '/checkout=0.25,/search=1' "
+        "(default SPANPROF_ROUTE_SLO)",
+    )
+    dev.add_argument(
+        "--interface",
+        choices=("auto", "asgi", "wsgi"),
+        default="auto",
+        help="how to serve the app (default: detect)",
+    )
+    dev.add_argument("--app-dir", default=".", help="directory to import the app from")
+    dev.add_argument("--service-name", help="service name when the app sets none")
+    dev.add_argument(
+        "--duration", type=float, metavar="SECONDS", help="stop by itself after SECONDS"
+    )
+    return parser
+
+
+def _describe(policy: SloPolicy) -> str:
+    routes = ", ".join(f"{route} {seconds:g} s" for route, seconds in policy.routes.items())
+    return f"SLO {policy.default:g} s" + (f" ({routes})" if routes else "")
+
+
+def dev(args: argparse.Namespace) -> int:
+    """``spanprof dev``: serve the app in local mode until Ctrl-C (or ``--duration``)."""
+    try:
+        policy = policy_from(os.environ, slo=args.slo, route_slo=args.route_slo)
+    except ValueError as exc:
+        print(f"spanprof dev: --slo/--route-slo: {exc}", file=sys.stderr)
+        return 2
+    local = LocalMode(
+        host=args.host,
+        port=args.port,
+        ui_host=args.ui_host,
+        ui_port=args.ui_port,
+        policy=policy,
+        service_name=args.service_name or args.app.partition(":")[0],
+    )
+    configured = os.environ.get("PYROSCOPE_SERVER_ADDRESS", "").strip()
+    if configured:
+        print(f"spanprof dev: profiles go to the local page, not to {configured}", flush=True)
+    try:
+        local.start()
+    except OSError as exc:
+        print(f"spanprof dev: cannot listen for the page: {exc}", file=sys.stderr)
+        return 1
+    try:
+        try:
+            app = import_app(args.app, factory=args.factory, app_dir=args.app_dir)
+        except (ImportError, ValueError) as exc:
+            print(f"spanprof dev: cannot import {args.app}: {exc}", file=sys.stderr)
+            return 1
+        local.install_tracing()
+        print(f"spanprof dev: app        {local.app_url}  ({args.app})", flush=True)
+        print(f"spanprof dev: local page {local.ui_url}", flush=True)
+        print(
+            f"spanprof dev: {_describe(policy)}; profiles uploaded every second; Ctrl-C stops",
+            flush=True,
+        )
+        if args.duration is not None:
+            timer = threading.Timer(args.duration, local.request_stop)
+            timer.daemon = True
+            timer.start()
+        local.serve(app, args.interface)
+    finally:
+        local.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``spanprof`` console script."""
+    args = _parser().parse_args(argv)
+    if args.command == "dev":
+        return dev(args)
+    return 2  # pragma: no cover - argparse rejects unknown commands

@@ -1,0 +1,336 @@
+"""The local web page and its JSON APIs, served by the standard library on loopback.
+
+Routes (all ``GET``):
+
+- ``/``: the page; ``/static/...``: its scripts, styles and vendored libraries;
+- ``/api/status``: counters (spans, requests, breaches, profile uploads, SLO settings);
+- ``/api/breaches``: recent SLO breaches, newest first;
+- ``/api/latency?since=UNIX``: server-span latencies over time, breaches flagged;
+- ``/api/flamegraph?span_id=ID``: a d3-flame-graph tree of the samples labelled ``ID``;
+- ``/api/trace?trace_id=ID``: the spans of a trace, by start time;
+- ``/api/pprof?span_id=ID``: the same samples as a gzip-compressed pprof download.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from ._samples import SampleStore
+from ._slo import describe
+from ._spans import SpanRecord, SpanStore
+
+__all__ = ["UiServer"]
+
+_SPAN_ID = re.compile(r"[0-9a-f]{16}\Z")
+_TRACE_ID = re.compile(r"[0-9a-f]{32}\Z")
+_CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".txt": "text/plain; charset=utf-8",
+    ".svg": "image/svg+xml",
+}
+# Everything the page loads is served from here; d3-flame-graph injects its own <style>.
+_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'"
+)
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def _load_static() -> dict[str, tuple[bytes, str]]:
+    """The page's files by URL path, read once (package data of ``spanprof._local``)."""
+    root = resources.files("spanprof._local") / "static"
+    files: dict[str, tuple[bytes, str]] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for child in node.iterdir():
+            if child.is_dir():
+                walk(child, f"{prefix}{child.name}/")
+                continue
+            suffix = "." + child.name.rpartition(".")[2]
+            content_type = _CONTENT_TYPES.get(suffix)
+            if content_type is not None:
+                files[f"/static/{prefix}{child.name}"] = (child.read_bytes(), content_type)
+
+    walk(root, "")
+    index = files.get("/static/index.html")
+    if index is None:
+        raise RuntimeError("spanprof local mode: static/index.html is missing from the package")
+    files["/"] = index
+    return files
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    ui: UiServer
+
+    def __init__(self, address: tuple[str, int], ui: UiServer) -> None:
+        self.ui = ui
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, _Handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+    server_version = "spanprof-local"
+    sys_version = ""
+    timeout = 30
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return  # the page polls every few seconds: no access log
+
+    def do_GET(self) -> None:
+        ui = self.server.ui
+        if ui.loopback_only and not self._host_is_loopback():
+            # A page on loopback must not answer a rebinding DNS name pointing at 127.0.0.1.
+            self._send(403, b"forbidden host\n", "text/plain; charset=utf-8")
+            return
+        parts = urlsplit(self.path)
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        static = ui.static.get(parts.path)
+        if static is not None:
+            self._send(200, static[0], static[1], cache="no-cache")
+            return
+        api = ui.api.get(parts.path)
+        if api is None:
+            self._json(404, {"error": f"no such page: {parts.path}"})
+            return
+        try:
+            status, body, content_type, extra = api(query)
+        except Exception as exc:  # a bug in an API must not take the page down
+            self._json(500, {"error": f"{type(exc).__name__}: {exc}"})
+            return
+        self._send(status, body, content_type, extra_headers=extra)
+
+    def _host_is_loopback(self) -> bool:
+        host = self.headers.get("Host", "")
+        if host.startswith("["):
+            name = host[1:].partition("]")[0]
+        else:
+            name = host.rpartition(":")[0] if ":" in host else host
+        return name.lower() in _LOOPBACK_NAMES
+
+    def _json(self, status: int, payload: Any) -> None:
+        self._send(status, json.dumps(payload).encode(), "application/json")
+
+    def _send(
+        self,
+        status: int,
+        body: bytes,
+        content_type: str,
+        *,
+        cache: str = "no-store",
+        extra_headers: dict[str, str] | None = None,
+    ) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", cache)
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Content-Security-Policy", _CSP)
+        for key, value in (extra_headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+
+_ApiResult = tuple[int, bytes, str, dict[str, str]]
+
+
+def _ok(payload: Any, status: int = 200) -> _ApiResult:
+    return status, json.dumps(payload).encode(), "application/json", {}
+
+
+class UiServer:
+    """Serves the local page and its APIs from ``spans`` and ``samples`` in a thread.
+
+    Arguments:
+        spans: the span store (server spans, breaches, traces).
+        samples: the sample store (flame graphs, pprof).
+        status: extra counters for ``/api/status`` (receiver errors, app URL...).
+        host, port: where to listen; loopback by default, port 0 picks a free one.
+    """
+
+    def __init__(
+        self,
+        spans: SpanStore,
+        samples: SampleStore,
+        *,
+        status: Callable[[], dict[str, Any]] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.spans = spans
+        self.samples = samples
+        self._extra_status = status
+        self.host = host
+        self._port = port
+        self.loopback_only = _is_loopback(host)
+        self.static = _load_static()
+        self.api: dict[str, Callable[[dict[str, str]], _ApiResult]] = {
+            "/api/status": self._status,
+            "/api/breaches": self._breaches,
+            "/api/latency": self._latency,
+            "/api/flamegraph": self._flamegraph,
+            "/api/trace": self._trace,
+            "/api/pprof": self._pprof,
+        }
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> UiServer:
+        """Bind and serve in a daemon thread; returns ``self``."""
+        if self._server is not None:
+            raise RuntimeError("UiServer already started")
+        server = _Server((self.host, self._port), self)
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="spanprof-local-ui",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and release the port (idempotent)."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    @property
+    def port(self) -> int:
+        """The bound port (while started)."""
+        if self._server is None:
+            raise RuntimeError("UiServer is not started")
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """The page's URL."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        if host in ("0.0.0.0", "[::]"):
+            host = "127.0.0.1"
+        return f"http://{host}:{self.port}/"
+
+    # -- APIs --------------------------------------------------------------------------------
+
+    def _breach_json(self, record: SpanRecord) -> dict[str, Any]:
+        item = record.to_json()
+        item["profile_ns"] = self.samples.sample_total(record.span_id)
+        return item
+
+    def _status(self, query: dict[str, str]) -> _ApiResult:
+        payload: dict[str, Any] = {
+            "time": time.time(),
+            "spans": self.spans.spans_seen,
+            "requests": self.spans.request_count(),
+            "breaches": self.spans.breach_count(),
+            "slo": describe(self.spans.policy),
+            "profiles": self.samples.status(),
+        }
+        if self._extra_status is not None:
+            payload.update(self._extra_status())
+        return _ok(payload)
+
+    def _breaches(self, query: dict[str, str]) -> _ApiResult:
+        limit = _int(query.get("limit"), 200, 1, 500)
+        return _ok({"breaches": [self._breach_json(r) for r in self.spans.breaches(limit=limit)]})
+
+    def _latency(self, query: dict[str, str]) -> _ApiResult:
+        try:
+            since = float(query.get("since", "0"))
+        except ValueError:
+            return _ok({"error": "since: expected Unix seconds"}, 400)
+        limit = _int(query.get("limit"), 5000, 1, 20000)
+        points = [
+            {
+                "start": r.start_ns / 1e9,
+                "duration_s": r.duration_s,
+                "route": r.route or r.name,
+                "name": r.name,
+                "service": r.service,
+                "breached": r.breached,
+                "threshold_s": r.threshold_s,
+                "span_id": r.span_id,
+                "trace_id": r.trace_id,
+                "status_code": r.status_code(),
+            }
+            for r in self.spans.requests(since=since, limit=limit)
+        ]
+        return _ok({"points": points, "slo": describe(self.spans.policy)})
+
+    def _flamegraph(self, query: dict[str, str]) -> _ApiResult:
+        span_id = query.get("span_id", "")
+        if not _SPAN_ID.match(span_id):
+            return _ok({"error": "span_id: expected 16 lowercase hex digits"}, 400)
+        root = self.samples.flamegraph(span_id)
+        profile = self.samples.span(span_id)
+        record = self.spans.span(span_id)
+        return _ok(
+            {
+                "span_id": span_id,
+                "now": time.time(),
+                "total_ns": root["value"],
+                "stacks": len(profile.stacks) if profile is not None else 0,
+                "period_ns": self.samples.status()["period_ns"],
+                "span": record.to_json() if record is not None else None,
+                "root": root,
+            }
+        )
+
+    def _trace(self, query: dict[str, str]) -> _ApiResult:
+        trace_id = query.get("trace_id", "")
+        if not _TRACE_ID.match(trace_id):
+            return _ok({"error": "trace_id: expected 32 lowercase hex digits"}, 400)
+        spans = []
+        for record in self.spans.trace(trace_id):
+            item = record.to_json()
+            item["profile_ns"] = self.samples.sample_total(record.span_id)
+            spans.append(item)
+        return _ok({"trace_id": trace_id, "spans": spans})
+
+    def _pprof(self, query: dict[str, str]) -> _ApiResult:
+        span_id = query.get("span_id", "")
+        if not _SPAN_ID.match(span_id):
+            return _ok({"error": "span_id: expected 16 lowercase hex digits"}, 400)
+        data = self.samples.pprof(span_id)
+        if data is None:
+            return _ok({"error": f"no profile samples for span {span_id} (yet)"}, 404)
+        headers = {"Content-Disposition": f'attachment; filename="spanprof-{span_id}.pb.gz"'}
+        return 200, data, "application/octet-stream", headers
+
+
+def _int(raw: str | None, default: int, low: int, high: int) -> int:
+    if raw is None:
+        return default
+    with contextlib.suppress(ValueError):
+        return min(max(int(raw), low), high)
+    return default

@@ -1,0 +1,78 @@
+"""End to end in headless Chromium: open the local page, click a breach, see its flame graph.
+
+Needs Debian's ``chromium`` (``.ci/run`` installs it) and Playwright for Python, which drives
+that browser: ``playwright install`` is never run. The screenshot lands in
+``test-artifacts/local-mode.png``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+
+from .conftest import require
+from .e2e.server import ROOT
+from .test_local_mode import SLOW, local_run, marker_name, markers_in
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SCREENSHOT = ROOT / "test-artifacts" / "local-mode.png"
+TIMEOUT_MS = 20_000
+
+
+def test_clicking_a_breach_renders_that_requests_flame_graph(tmp_path: Path) -> None:
+    """A click on the slow request's breach draws its flame graph, its marker and no other."""
+    chromium = shutil.which("chromium")
+    require(chromium is not None, "Debian's chromium is missing (apt-get install chromium)")
+    require(
+        importlib.util.find_spec("playwright") is not None,
+        "Playwright for Python is missing (pip install playwright; no browser download needed)",
+    )
+    from playwright.sync_api import sync_playwright
+
+    marker = marker_name(SLOW)
+    errors: list[str] = []
+    with local_run(tmp_path) as run, sync_playwright() as playwright:
+        slow = run.labels[SLOW]
+        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.goto(f"{run.ui}/")
+            row = page.locator(f'tr.breach[data-span-id="{slow["span_id"]}"]')
+            row.wait_for(timeout=TIMEOUT_MS)
+            dots = page.locator(f'#latency circle.exemplar[data-span-id="{slow["span_id"]}"]')
+            dot_count = dots.count()
+            row.click()
+            label = page.locator("#flamegraph .d3-flame-graph-label", has_text=marker)
+            label.first.wait_for(state="visible", timeout=TIMEOUT_MS)
+            names = page.eval_on_selector_all(
+                "#flamegraph g.frame", "frames => frames.map(f => f.getAttribute('name'))"
+            )
+            waterfall = page.locator(f'#waterfall .waterfall-row[data-span-id="{slow["span_id"]}"]')
+            waterfall.wait_for(timeout=TIMEOUT_MS)
+            title = page.inner_text("#detail-title")
+            pprof_href = page.get_attribute("#pprof-link", "href")
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SCREENSHOT), full_page=True)
+        finally:
+            browser.close()
+    assert errors == []
+    assert dot_count == 1, "the breach is an exemplar dot on the latency plot"
+    assert markers_in(set(names)) == {marker}
+    assert title == slow["span_name"]
+    assert pprof_href == f"/api/pprof?span_id={slow['span_id']}"
+    assert SCREENSHOT.stat().st_size > 10_000

@@ -1,0 +1,598 @@
+"""Local mode (``spanprof dev``): real agent pushes in, breaches, flame graphs, traces, pprof out.
+
+The end-to-end tests run ``python -m spanprof dev`` in a subprocess (the pyroscope-io agent
+starts once per process) serving ``make_app`` below: one deliberately slow request burns CPU in
+its own marker function among fast ones burning in theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import SpanKind
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from spanprof import ProfilingMiddleware, current_labels
+from spanprof._local import LocalMode, SampleStore, SpanStore, detect_interface, import_app
+from spanprof._local._cli import main as cli_main
+from spanprof._local._slo import policy_env, policy_from
+from spanprof._pprof import Frame, ProfileBuilder, decode_profile
+from spanprof._protowire import as_bytes, as_int, as_str, iter_fields, unpack_varints
+from spanprof._push import PushSeries
+from spanprof._receiver import ReceivedPush
+
+from .conftest import require
+from .e2e.markers import MARKER_PREFIX, MARKERS
+from .e2e.server import ROOT, free_port, serve, wait_ready
+
+SLO_SECONDS = 0.4
+SLOW = 7
+SLOW_CPU = 0.6
+FAST = (1, 2, 3, 4, 5, 6)
+FAST_CPU = 0.02
+STEP = 0.01
+
+
+# -- the app the subprocess serves ------------------------------------------------------------
+
+
+async def _work(request: Request) -> Response:
+    marker = MARKERS[int(request.path_params["index"])]
+    seconds = float(request.query_params.get("seconds", "0.02"))
+    spent = 0.0
+    while spent < seconds:  # 10 ms CPU steps, yielding so the requests interleave
+        marker(STEP)
+        spent += STEP
+        await asyncio.sleep(0)
+    return JSONResponse(dict(current_labels()))
+
+
+async def _health(request: Request) -> Response:
+    return PlainTextResponse("ok")
+
+
+def make_app() -> ProfilingMiddleware:
+    """The ASGI app ``spanprof dev --factory`` serves: each request burns in its own marker."""
+    routes = [Route("/work/{index:int}", _work), Route("/health", _health)]
+    return ProfilingMiddleware(Starlette(routes=routes))
+
+
+def make_wsgi_app() -> Any:
+    """The WSGI app for the local mode's WSGI path: the same markers, run by a thread."""
+    from spanprof._wsgi import WSGIProfilingMiddleware
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        path = str(environ.get("PATH_INFO", ""))
+        if path == "/health":
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return [b"ok"]
+        index = int(path.rpartition("/")[2])
+        MARKERS[index](float(environ.get("QUERY_STRING", "").partition("=")[2] or "0.02"))
+        start_response("200 OK", [("Content-Type", "application/json")])
+        return [json.dumps(dict(current_labels())).encode()]
+
+    def route(environ: dict[str, Any]) -> str | None:
+        return "/work/{index}" if str(environ.get("PATH_INFO", "")).startswith("/work/") else None
+
+    return WSGIProfilingMiddleware(app, route_resolver=route)
+
+
+# -- running it --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    """A running ``spanprof dev`` and the labels each of its requests reported."""
+
+    app: str
+    ui: str
+    labels: dict[int, dict[str, str]]
+
+
+def get_json(url: str) -> Any:
+    """GET ``url`` and decode its JSON body (raises for non-2xx)."""
+    response = httpx.get(url, timeout=10)
+    response.raise_for_status()
+    return response.json()
+
+
+@contextmanager
+def running_local_mode(tmp: Path, spec: str, *extra: str) -> Iterator[tuple[str, str]]:
+    """``python -m spanprof dev SPEC --factory`` on free ports; yields (app URL, page URL)."""
+    port, ui_port = free_port(), free_port()
+    argv = [
+        sys.executable, "-m", "spanprof", "dev", spec, "--factory",
+        "--port", str(port), "--ui-port", str(ui_port), "--slo", str(SLO_SECONDS),
+        "--service-name", "local-mode-test", *extra,
+    ]  # fmt: skip
+    log = tmp / f"spanprof-dev-{port}.log"
+    with serve(argv, health_url=f"http://127.0.0.1:{port}/health", env={}, log_path=log) as proc:
+        ui = f"http://127.0.0.1:{ui_port}"
+        wait_ready(f"{ui}/api/status", proc)
+        yield f"http://127.0.0.1:{port}", ui
+    text = log.read_text()
+    assert "Traceback" not in text, text
+
+
+def fire(app: str, requests: dict[int, float]) -> dict[int, dict[str, str]]:
+    """Send ``index -> CPU seconds`` requests at once; return each request's labels."""
+
+    async def send() -> dict[int, dict[str, str]]:
+        async with httpx.AsyncClient(base_url=app, timeout=60) as client:
+            responses = await asyncio.gather(
+                *(client.get(f"/work/{i}", params={"seconds": s}) for i, s in requests.items())
+            )
+        for response in responses:
+            response.raise_for_status()
+        return {i: r.json() for i, r in zip(requests, responses, strict=True)}
+
+    return asyncio.run(send())
+
+
+def settle(ui: str, uploads: int = 2, timeout: float = 20.0) -> dict[str, Any]:
+    """Wait until ``uploads`` more profile uploads arrived (every sample so far is in)."""
+    start = get_json(f"{ui}/api/status")["profiles"]["pushes"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status: dict[str, Any] = get_json(f"{ui}/api/status")
+        if status["profiles"]["pushes"] >= start + uploads:
+            return status
+        time.sleep(0.2)
+    raise TimeoutError(f"fewer than {uploads} profile uploads in {timeout} s")
+
+
+@contextmanager
+def local_run(tmp: Path) -> Iterator[LocalRun]:
+    """The ASGI test app in local mode, after one slow and six fast requests settled."""
+    with running_local_mode(tmp, "tests.test_local_mode:make_app") as (app, ui):
+        labels = fire(app, {SLOW: SLOW_CPU, **dict.fromkeys(FAST, FAST_CPU)})
+        settle(ui)
+        yield LocalRun(app, ui, labels)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRun]:
+    """One local-mode subprocess for the end-to-end API tests of this module."""
+    with local_run(tmp_path_factory.mktemp("local")) as result:
+        yield result
+
+
+def frame_names(node: dict[str, Any]) -> set[str]:
+    """Every frame name in a d3-flame-graph tree, root excluded."""
+    names: set[str] = set()
+    stack = list(node["children"])
+    while stack:
+        child = stack.pop()
+        names.add(child["name"])
+        stack.extend(child["children"])
+    return names
+
+
+def markers_in(names: set[str]) -> set[str]:
+    """The request marker functions among ``names``."""
+    return {name for name in names if name.startswith(MARKER_PREFIX)}
+
+
+def marker_name(index: int) -> str:
+    """The marker function of request ``index``."""
+    return MARKERS[index].__name__
+
+
+# -- end to end: the real agent, the receiver and the APIs -----------------------------------
+
+
+@pytest.mark.e2e
+def test_receiver_decodes_real_pyroscope_pushes(run: LocalRun) -> None:
+    """pyroscope-io's uploads arrive every second, decode, and carry the requests' span ids."""
+    status = get_json(f"{run.ui}/api/status")
+    profiles = status["profiles"]
+    assert status["receiver_errors"] == []
+    assert profiles["pushes"] >= 2
+    assert profiles["services"] == ["local-mode-test"]
+    assert profiles["period_ns"] == 10_000_000
+    assert profiles["double_labelled_ns"] == 0
+    assert profiles["labelled_ns"] >= 0.5 * (SLOW_CPU + len(FAST) * FAST_CPU) * 1e9, profiles
+    assert status["interface"] == "asgi"
+    assert status["requests"] >= len(FAST) + 1  # and the readiness probes
+
+
+@pytest.mark.e2e
+def test_breaches_list_the_slow_request_and_only_it(run: LocalRun) -> None:
+    """/api/breaches holds the slow request (ids, route, duration over its SLO), no fast one."""
+    slow = run.labels[SLOW]
+    breaches = get_json(f"{run.ui}/api/breaches")["breaches"]
+    by_span = {b["span_id"]: b for b in breaches}
+    assert slow["span_id"] in by_span, breaches
+    breach = by_span[slow["span_id"]]
+    assert breach["trace_id"] == slow["trace_id"]
+    assert breach["route"] == "/work/{index:int}"
+    assert breach["threshold_s"] == pytest.approx(SLO_SECONDS)
+    assert breach["duration_s"] >= SLOW_CPU > SLO_SECONDS
+    assert breach["profile_ns"] >= 0.5 * SLOW_CPU * 1e9
+    assert {run.labels[i]["span_id"] for i in FAST}.isdisjoint(by_span)
+
+    points = get_json(f"{run.ui}/api/latency")["points"]
+    flagged = {p["span_id"]: p["breached"] for p in points if p["route"] != "/health"}
+    assert flagged == {labels["span_id"]: i == SLOW for i, labels in run.labels.items()}
+
+
+@pytest.mark.e2e
+def test_flamegraph_of_a_span_holds_only_its_own_samples(run: LocalRun) -> None:
+    """Each request's flame graph has its own marker and no other request's marker."""
+    slow = get_json(f"{run.ui}/api/flamegraph?span_id={run.labels[SLOW]['span_id']}")
+    assert slow["total_ns"] >= 0.5 * SLOW_CPU * 1e9, slow["total_ns"]
+    assert slow["span"]["name"] == "GET /work/{index:int}"
+    assert markers_in(frame_names(slow["root"])) == {marker_name(SLOW)}
+    for index in FAST:
+        tree = get_json(f"{run.ui}/api/flamegraph?span_id={run.labels[index]['span_id']}")
+        assert markers_in(frame_names(tree["root"])) <= {marker_name(index)}
+    root = slow["root"]
+    assert root["value"] == sum(child["value"] for child in root["children"])
+
+
+@pytest.mark.e2e
+def test_trace_api_returns_the_requests_spans(run: LocalRun) -> None:
+    """/api/trace lists the slow request's server span under its trace id."""
+    slow = run.labels[SLOW]
+    spans = get_json(f"{run.ui}/api/trace?trace_id={slow['trace_id']}")["spans"]
+    servers = [s for s in spans if s["kind"] == "SERVER"]
+    assert [s["span_id"] for s in servers] == [slow["span_id"]]
+    assert servers[0]["name"] == slow["span_name"] == "GET /work/{index:int}"
+    assert servers[0]["breached"] is True
+    assert all(s["trace_id"] == slow["trace_id"] for s in spans)
+
+
+def _check_pprof_structure(raw: bytes) -> None:
+    strings: list[str] = []
+    function_ids: list[int] = []
+    location_ids: list[int] = []
+    used_functions: set[int] = set()
+    used_locations: set[int] = set()
+    for field, _wire, value in iter_fields(raw):
+        if field == 6:
+            strings.append(as_str(value))
+        elif field == 5:
+            function_ids += [as_int(v) for f, _w, v in iter_fields(as_bytes(value)) if f == 1]
+        elif field == 4:
+            for f, _w, v in iter_fields(as_bytes(value)):
+                if f == 1:
+                    location_ids.append(as_int(v))
+                elif f == 4:
+                    used_functions |= {
+                        as_int(lv) for lf, _lw, lv in iter_fields(as_bytes(v)) if lf == 1
+                    }
+        elif field == 2:
+            for f, _w, v in iter_fields(as_bytes(value)):
+                if f == 1:
+                    used_locations.update(unpack_varints(v))
+    assert strings[0] == ""
+    assert function_ids == list(range(1, len(function_ids) + 1))
+    assert location_ids == list(range(1, len(location_ids) + 1))
+    assert used_functions <= set(function_ids)
+    assert used_locations <= set(location_ids)
+
+
+@pytest.mark.e2e
+def test_pprof_download_decodes_to_the_spans_samples(run: LocalRun) -> None:
+    """/api/pprof is a gzipped, well-formed pprof of exactly the flame graph's samples."""
+    span_id = run.labels[SLOW]["span_id"]
+    response = httpx.get(f"{run.ui}/api/pprof", params={"span_id": span_id}, timeout=10)
+    assert response.status_code == 200
+    assert f"spanprof-{span_id}.pb.gz" in response.headers["Content-Disposition"]
+    assert response.content[:2] == b"\x1f\x8b"
+    _check_pprof_structure(gzip.decompress(response.content))
+    profile = decode_profile(response.content)
+    assert profile.sample_types == (("cpu", "nanoseconds"),)
+    assert profile.period_type == ("cpu", "nanoseconds")
+    assert profile.period == 10_000_000
+    assert profile.duration_nanos > 0
+    assert {s.label("span_id") for s in profile.samples} == {span_id}
+    assert {s.label("trace_id") for s in profile.samples} == {run.labels[SLOW]["trace_id"]}
+    names = {frame.function for s in profile.samples for frame in s.stack}
+    assert markers_in(names) == {marker_name(SLOW)}
+    tree = get_json(f"{run.ui}/api/flamegraph?span_id={span_id}")
+    assert profile.total() == tree["total_ns"]
+
+    unknown = httpx.get(f"{run.ui}/api/pprof", params={"span_id": "0" * 16}, timeout=10)
+    assert unknown.status_code == 404
+
+
+@pytest.mark.e2e
+def test_page_is_served_with_its_assets(run: LocalRun) -> None:
+    """The page, every script and style it loads, and the vendored licenses are served."""
+    page = httpx.get(f"{run.ui}/", timeout=10)
+    assert page.status_code == 200
+    assert page.headers["Content-Type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["Content-Security-Policy"]
+    assets = re.findall(r'(?:src|href)="(/static/[^"]+)"', page.text)
+    assert {
+        "/static/vendor/d3.min.js",
+        "/static/vendor/d3-flamegraph.min.js",
+        "/static/vendor/d3-flamegraph.css",
+        "/static/app.js",
+        "/static/style.css",
+    } <= set(assets)
+    expected_types = {".js": "text/javascript", ".css": "text/css", ".txt": "text/plain"}
+    licenses = ["/static/vendor/LICENSE-d3.txt", "/static/vendor/LICENSE-d3-flame-graph.txt"]
+    for path in [*assets, *licenses]:
+        asset = httpx.get(f"{run.ui}{path}", timeout=10)
+        assert asset.status_code == 200, path
+        assert asset.headers["Content-Type"].startswith(expected_types[Path(path).suffix]), path
+        assert len(asset.content) > 100, path
+    assert "flamegraph" in httpx.get(f"{run.ui}/static/vendor/d3-flamegraph.min.js").text
+
+
+@pytest.mark.e2e
+def test_apis_reject_bad_ids_and_foreign_hosts(run: LocalRun) -> None:
+    """Malformed ids get 400, unknown paths 404, and a non-loopback Host header 403."""
+    assert httpx.get(f"{run.ui}/api/flamegraph?span_id=nothex").status_code == 400
+    assert httpx.get(f"{run.ui}/api/trace?trace_id=123").status_code == 400
+    assert httpx.get(f"{run.ui}/api/pprof?span_id=../../etc").status_code == 400
+    assert httpx.get(f"{run.ui}/static/../_ui.py").status_code == 404
+    rebound = httpx.get(f"{run.ui}/api/breaches", headers={"Host": "attacker.example:80"})
+    assert rebound.status_code == 403
+
+
+@pytest.mark.e2e
+def test_wsgi_apps_run_in_local_mode_too(tmp_path: Path) -> None:
+    """A WSGIProfilingMiddleware app: served by threads, its slow request's flame graph works."""
+    require(_importable("spanprof._wsgi"), "spanprof._wsgi (WSGIProfilingMiddleware) is missing")
+    with running_local_mode(tmp_path, "tests.test_local_mode:make_wsgi_app") as (app, ui):
+        slow = httpx.get(f"{app}/work/9", params={"seconds": 0.5}, timeout=30).json()
+        fast = httpx.get(f"{app}/work/3", params={"seconds": 0.02}, timeout=30).json()
+        settle(ui)
+        status = get_json(f"{ui}/api/status")
+        breaches = get_json(f"{ui}/api/breaches")["breaches"]
+        tree = get_json(f"{ui}/api/flamegraph?span_id={slow['span_id']}")
+    assert status["interface"] == "wsgi"
+    assert status["receiver_errors"] == []
+    assert [b["span_id"] for b in breaches] == [slow["span_id"]]
+    assert breaches[0]["route"] == "/work/{index}"
+    assert fast["span_id"] != slow["span_id"]
+    assert tree["total_ns"] >= 0.25e9
+    assert markers_in(frame_names(tree["root"])) == {marker_name(9)}
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.e2e
+def test_demo_serves_two_services_and_stops_by_itself(tmp_path: Path) -> None:
+    """`python -m sample_app.demo --duration`: traffic, a two-service trace, then a clean exit."""
+    require(
+        _importable("fastapi") and _importable("flask") and _importable("spanprof._wsgi"),
+        "the demo needs fastapi, flask and spanprof._wsgi (pip install -e '.[demo]')",
+    )
+    port, ui_port = free_port(), free_port()
+    ui = f"http://127.0.0.1:{ui_port}"
+    argv = [sys.executable, "-m", "sample_app.demo", "--duration", "8"]
+    argv += ["--port", str(port), "--ui-port", str(ui_port), "--concurrency", "3"]
+    log = tmp_path / "demo.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(f"{ui}/api/status", process)
+            trace = _wait_for_cross_service_trace(ui, timeout=6.0)
+            status = settle(ui, uploads=1, timeout=5.0)
+        finally:
+            returncode = process.wait(timeout=30)
+    output = log.read_text()
+    assert returncode == 0, output
+    assert "Traceback" not in output, output
+    assert f"open {ui}/" in output
+    assert re.search(r"traffic: \d+ sent {2}\d+ errors", output), output
+    assert status["requests"] >= 10
+    assert status["profiles"]["labelled_ns"] > 0
+    flask_server = next(s for s in trace if s["service"] == "sample-flask")
+    client = next(s for s in trace if s["span_id"] == flask_server["parent_id"])
+    assert client["service"] == "sample-fastapi"
+    assert client["kind"] == "CLIENT"
+
+
+def _wait_for_cross_service_trace(ui: str, timeout: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for point in get_json(f"{ui}/api/latency")["points"]:
+            if point["service"] == "sample-flask":
+                spans: list[dict[str, Any]] = get_json(
+                    f"{ui}/api/trace?trace_id={point['trace_id']}"
+                )["spans"]
+                if {s["service"] for s in spans} == {"sample-fastapi", "sample-flask"}:
+                    return spans
+        time.sleep(0.3)
+    raise TimeoutError("no trace through both sample services")
+
+
+# -- the pieces, in process ----------------------------------------------------------------------
+
+
+def _span(
+    provider: TracerProvider, route: str, seconds: float, **attributes: Any
+) -> tuple[str, str]:
+    tracer = provider.get_tracer("test")
+    start = time.time_ns()
+    span = tracer.start_span(
+        f"GET {route}",
+        kind=SpanKind.SERVER,
+        start_time=start,
+        attributes={"http.route": route, **attributes},
+    )
+    span.end(end_time=start + int(seconds * 1e9))
+    ctx = span.get_span_context()
+    return format(ctx.span_id, "016x"), format(ctx.trace_id, "032x")
+
+
+def test_span_store_trusts_the_middlewares_verdict() -> None:
+    """A span marked by the middleware keeps its verdict and threshold, whatever its length."""
+    store = SpanStore(policy_from({}, slo="0.5"))
+    provider = TracerProvider()
+    provider.add_span_processor(store)
+    marked, _ = _span(
+        provider,
+        "/a",
+        0.01,
+        **{"spanprof.slo.breached": True, "spanprof.slo.threshold_s": 0.005},
+    )
+    cleared, _ = _span(provider, "/b", 2.0, **{"spanprof.slo.breached": False})
+    breaches = {r.span_id: r for r in store.breaches()}
+    assert set(breaches) == {marked}
+    assert breaches[marked].threshold_s == 0.005
+    assert breaches[marked].verdict_source == "span"
+    assert store.span(cleared) is not None
+    assert store.span(cleared).breached is False  # type: ignore[union-attr]
+
+
+def test_span_store_judges_unmarked_spans_by_route_slo() -> None:
+    """Without the attribute, the duration is compared with the route's SLO, else the default."""
+    store = SpanStore(policy_from({"SPANPROF_SLO_SECONDS": "0.5"}, route_slo="/checkout=0.25"))
+    provider = TracerProvider()
+    provider.add_span_processor(store)
+    slow_checkout, _ = _span(provider, "/checkout", 0.3)
+    _span(provider, "/checkout", 0.2)
+    _span(provider, "/search", 0.3)
+    slow_search, _ = _span(provider, "/search", 0.6)
+    breaches = store.breaches()
+    assert [r.span_id for r in breaches] == [slow_search, slow_checkout]
+    assert [r.threshold_s for r in breaches] == [0.5, 0.25]
+    assert {r.verdict_source for r in breaches} == {"local"}
+    assert store.request_count() == 4
+
+
+def test_span_store_keeps_bounded_traces() -> None:
+    """The oldest traces are dropped first once ``max_traces`` are kept."""
+    store = SpanStore(policy_from({}), max_traces=3, max_requests=2)
+    provider = TracerProvider()
+    provider.add_span_processor(store)
+    traces = [_span(provider, "/x", 0.001)[1] for _ in range(5)]
+    assert [len(store.trace(t)) for t in traces] == [0, 0, 1, 1, 1]
+    assert store.request_count() == 2
+    assert store.spans_seen == 5
+
+
+def _push(*samples: tuple[tuple[Frame, ...], int, tuple[tuple[str, str], ...]]) -> ReceivedPush:
+    builder = ProfileBuilder((("cpu", "nanoseconds"),), period=10_000_000)
+    for stack, value, labels in samples:
+        builder.add(stack, value, labels)
+    profile = decode_profile(builder.build())
+    series = PushSeries((("__name__", "process_cpu"), ("service_name", "svc")), (profile,))
+    return ReceivedPush(time.time(), "test", (series,))
+
+
+def test_sample_store_splits_uploads_by_span_id() -> None:
+    """Samples go to their span id's tree (merged by frame); unlabelled ones are only counted."""
+    leaf_a, leaf_b, root = Frame("a", "m.py", 1), Frame("b", "m.py", 2), Frame("main", "m.py", 9)
+    span, other = "00000000000000aa", "00000000000000bb"
+    store = SampleStore()
+    store.ingest(
+        _push(
+            ((leaf_a, root), 30_000_000, (("span_id", span), ("span_name", "GET /x"))),
+            ((leaf_b, root), 10_000_000, (("span_id", span), ("span_name", "GET /x"))),
+            ((leaf_b, root), 50_000_000, (("span_id", other),)),
+            ((leaf_a, root), 70_000_000, ()),
+        )
+    )
+    store.ingest(_push(((leaf_a, root), 20_000_000, (("span_id", span),))))
+    tree = store.flamegraph(span)
+    assert tree["name"] == "GET /x"
+    assert tree["value"] == 60_000_000
+    [main] = tree["children"]
+    assert (main["name"], main["value"]) == ("main", 60_000_000)
+    assert [(c["name"], c["value"]) for c in main["children"]] == [
+        ("a", 50_000_000),
+        ("b", 10_000_000),
+    ]
+    status = store.status()
+    assert status["pushes"] == 2
+    assert status["samples_ns"] == 180_000_000
+    assert status["labelled_ns"] == 110_000_000
+    assert status["services"] == ["svc"]
+    assert store.flamegraph("0" * 16)["value"] == 0
+    assert store.pprof("0" * 16) is None
+
+
+def test_sample_store_bounds_span_ids() -> None:
+    """Only the most recently updated ``max_spans`` span ids keep their samples."""
+    store = SampleStore(max_spans=2)
+    frame = (Frame("f", "m.py", 1),)
+    for span in ("01" * 8, "02" * 8, "03" * 8):
+        store.ingest(_push((frame, 10_000_000, (("span_id", span),))))
+    totals = [store.sample_total(s) for s in ("01" * 8, "02" * 8, "03" * 8)]
+    assert totals == [0, 10_000_000, 10_000_000]
+
+
+def test_slo_flags_override_the_environment_and_round_trip() -> None:
+    """--slo/--route-slo win over SPANPROF_*; the policy's env gives the middleware the same."""
+    env = {"SPANPROF_SLO_SECONDS": "2", "SPANPROF_ROUTE_SLO": "/a=1"}
+    assert policy_from(env).default == 2.0
+    policy = policy_from(env, slo="0.3", route_slo="/checkout=0.25,/search=1")
+    assert policy.default == 0.3
+    assert dict(policy.routes) == {"/checkout": 0.25, "/search": 1.0}
+    assert policy_from(policy_env(policy)) == policy
+    with pytest.raises(ValueError, match="SPANPROF_SLO_SECONDS"):
+        policy_from({}, slo="fast")
+    with pytest.raises(ValueError, match="SPANPROF_ROUTE_SLO"):
+        policy_from({}, route_slo="/checkout")
+
+
+def test_app_loading_and_interface_detection() -> None:
+    """module:attribute imports (or calls a factory); async callables are ASGI, others WSGI."""
+    assert detect_interface(import_app("tests.test_local_mode:make_app", factory=True)) == "asgi"
+
+    def wsgi(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        return []
+
+    assert detect_interface(wsgi) == "wsgi"
+    assert detect_interface(_work) == "asgi"
+    with pytest.raises(ValueError, match="module:attribute"):
+        import_app("tests.test_local_mode")
+    with pytest.raises(ValueError, match="no attribute"):
+        import_app("tests.test_local_mode:nothing_here")
+
+
+def test_cli_reports_a_bad_app_and_a_bad_slo(capsys: pytest.CaptureFixture[str]) -> None:
+    """`spanprof dev` exits non-zero with a message naming the problem."""
+    assert cli_main(["dev", "tests.test_local_mode:nothing_here", "--ui-port", "0"]) == 1
+    assert "cannot import" in capsys.readouterr().err
+    assert cli_main(["dev", "x:app", "--slo", "-1", "--ui-port", "0"]) == 2
+    assert "--slo" in capsys.readouterr().err
+
+
+def test_local_mode_sets_and_restores_the_environment() -> None:
+    """start() points PYROSCOPE_* at its receiver and SPANPROF_* at its policy; stop() undoes it."""
+    env = {"PYROSCOPE_UPLOAD_INTERVAL": "10", "UNRELATED": "1"}
+    local = LocalMode(ui_port=0, environ=env, policy=policy_from({}, slo="0.3"))
+    with local:
+        page = local.ui_url
+        assert env["PYROSCOPE_SERVER_ADDRESS"] == local.receiver.url
+        assert env["PYROSCOPE_UPLOAD_INTERVAL"] == "1"
+        assert env["PYROSCOPE_APPLICATION_NAME"] == "spanprof-dev"
+        assert policy_from(env).default == 0.3
+        with urllib.request.urlopen(f"{local.ui_url}api/status", timeout=5) as response:
+            assert json.load(response)["slo"]["default_s"] == 0.3
+    assert env == {"PYROSCOPE_UPLOAD_INTERVAL": "10", "UNRELATED": "1"}
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"{page}api/status", timeout=1)
