@@ -1,0 +1,1 @@
+"""Apps the benchmarks serve with a real uvicorn."""
