@@ -23,6 +23,8 @@ from typing import Any
 
 from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from opentelemetry.metrics import NoOpMeterProvider
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from pyroscope.otel import PyroscopeSpanProcessor
 from starlette.applications import Starlette
@@ -56,6 +58,12 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
     "pyroscope_otel": ("OTel ASGI defaults + pyroscope-otel `PyroscopeSpanProcessor`", "d"),
     "pyroscope_otel_lean": ("OTel ASGI as in (c) + pyroscope-otel `PyroscopeSpanProcessor`", "d'"),
     "spanprof": ("spanprof `ProfilingMiddleware(profiler=None)`", "e"),
+    "otel_metrics": (
+        "OTel ASGI as in (c) but recording its metrics to an SDK `MeterProvider` "
+        "(what a deployment with metrics pays)",
+        "c+m",
+    ),
+    "spanprof_metrics": ("spanprof as in (e), histogram to the same kind of SDK provider", "e+m"),
     "spanprof_recorder": ("spanprof + label engine on a `RecorderBackend`", "f"),
     "spanprof_pyroscope": ("spanprof + label engine on the real pyroscope-io agent", "g"),
 }
@@ -68,6 +76,8 @@ IN_PROCESS = [
     "pyroscope_otel_lean",
     "spanprof",
     "spanprof_recorder",
+    "otel_metrics",
+    "spanprof_metrics",
 ]
 WITH_AGENT = ["otel", "otel_lean", "pyroscope_otel", "pyroscope_otel_lean", "spanprof_pyroscope"]
 SPANPROF_VARIANTS = ["spanprof", "spanprof_recorder", "spanprof_pyroscope"]
@@ -109,12 +119,19 @@ def _provider(*processors: SpanProcessor) -> TracerProvider:
     return provider
 
 
-def _otel(app: ASGIApp, provider: TracerProvider, *, lean: bool) -> ASGIApp:
+def _sdk_meters() -> MeterProvider:
+    # A reader that is never collected: the SDK aggregates as in production, nothing exports.
+    return MeterProvider(metric_readers=[InMemoryMetricReader()])
+
+
+def _otel(
+    app: ASGIApp, provider: TracerProvider, *, lean: bool, meters: MeterProvider | None = None
+) -> ASGIApp:
     if lean:
         return OpenTelemetryMiddleware(
             app,
             tracer_provider=provider,
-            meter_provider=NoOpMeterProvider(),
+            meter_provider=meters or NoOpMeterProvider(),
             exclude_spans=["receive", "send"],
         )
     return OpenTelemetryMiddleware(app, tracer_provider=provider)
@@ -131,6 +148,18 @@ def _build(name: str, backend: spanprof.ProfilerBackend | None) -> _Variant:
     """The app of variant ``name``; ``backend`` is the agent for ``spanprof_pyroscope``."""
     if name == "bare":
         return _Variant(_starlette())
+    if name == "otel_metrics":
+        return _Variant(_otel(_starlette(), _provider(), lean=True, meters=_sdk_meters()))
+    if name == "spanprof_metrics":
+        return _Variant(
+            spanprof.ProfilingMiddleware(
+                _starlette(),
+                profiler=None,
+                tracer_provider=_provider(),
+                meter_provider=_sdk_meters(),
+                environ={},
+            )
+        )
     if name in ("otel", "otel_lean"):
         return _Variant(_otel(_starlette(), _provider(), lean=name == "otel_lean"))
     if name in ("pyroscope_otel", "pyroscope_otel_lean"):
@@ -252,14 +281,18 @@ _HEADERS = [
 ]
 
 
-def _verdict(name: str, results: dict[str, list[float]], where: str) -> Verdict:
-    ratio = paired_ratios(results[name], results[BASELINE])
-    extra = statistics.median(v - b for v, b in zip(results[name], results[BASELINE], strict=True))
+def _verdict(
+    name: str, results: dict[str, list[float]], where: str, baseline: str = BASELINE
+) -> Verdict:
+    ratio = paired_ratios(results[name], results[baseline])
+    extra = statistics.median(v - b for v, b in zip(results[name], results[baseline], strict=True))
     passed = ratio.median <= BUDGET
     over = f"; over budget by {(ratio.median - BUDGET) * 100:.1f} points" if not passed else ""
     description, letter = DESCRIPTIONS[name]
+    base_letter = DESCRIPTIONS[baseline][1]
     return Verdict(
-        f"per request, ({letter}) {description} ≤ {BUDGET:.2f} x OTel ASGI alone (c, {where})",
+        f"per request, ({letter}) {description} ≤ {BUDGET:.2f} x OTel ASGI alone "
+        f"({base_letter}, {where})",
         passed,
         f"{ratio.median:.3f} x (IQR {ratio.q1:.3f}..{ratio.q3:.3f}), {extra:+.1f} µs/request{over}",
     )
@@ -303,6 +336,7 @@ def run(quick: bool) -> Section:
         _verdict("spanprof", local, "same process"),
         _verdict("spanprof_recorder", local, "same process"),
         _verdict("spanprof_pyroscope", agent, "same child process, agent running"),
+        _verdict("spanprof_metrics", local, "both recording metrics to an SDK", "otel_metrics"),
     ]
     return section
 
