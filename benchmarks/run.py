@@ -1,7 +1,7 @@
 """Run the benchmarks and write ``docs/benchmarks.md``.
 
 ```sh
-python -m benchmarks.run [--quick] [--only request|engine|accuracy ...] [--write PATH] [--strict]
+python -m benchmarks.run [--quick] [--only NAME ...] [--write PATH] [--strict]
 ```
 
 Without ``--write`` the Markdown goes to stdout; progress goes to stderr. With ``--strict``
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import bench_accuracy, bench_engine, bench_request
+from . import bench_accuracy, bench_engine, bench_exemplar, bench_request
 from ._report import Section, machine_info, render
 
 __all__ = ["BENCHMARKS", "main"]
@@ -25,6 +25,7 @@ __all__ = ["BENCHMARKS", "main"]
 BENCHMARKS: dict[str, Callable[[bool], Section]] = {
     "request": bench_request.run,
     "engine": bench_engine.run,
+    "exemplar": bench_exemplar.run,
     "accuracy": bench_accuracy.run,
 }
 
