@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import bench_accuracy, bench_engine, bench_exemplar, bench_request
+from . import bench_accuracy, bench_engine, bench_exemplar, bench_faults, bench_request
 from ._report import Section, machine_info, render
 
 __all__ = ["BENCHMARKS", "main"]
@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, Callable[[bool], Section]] = {
     "request": bench_request.run,
     "engine": bench_engine.run,
     "exemplar": bench_exemplar.run,
+    "faults": bench_faults.run,
     "accuracy": bench_accuracy.run,
 }
 

@@ -3,74 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
+from .e2e.faults import FAULT_MODES, faulty_endpoint
 from .e2e.server import free_port, serve, uvicorn_argv
 
 pytestmark = pytest.mark.e2e
-
-
-@contextmanager
-def faulty_endpoint(mode: str) -> Iterator[str]:
-    """A Pyroscope URL that refuses connections, never answers, or answers 500."""
-    if mode == "down":
-        yield f"http://127.0.0.1:{free_port()}"
-        return
-    if mode == "hang":
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(64)
-        held: list[socket.socket] = []
-        stop = threading.Event()
-
-        def accept() -> None:
-            listener.settimeout(0.2)
-            while not stop.is_set():
-                try:
-                    held.append(listener.accept()[0])  # read nothing, answer nothing
-                except OSError:
-                    continue
-
-        thread = threading.Thread(target=accept, daemon=True)
-        thread.start()
-        try:
-            yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-        finally:
-            stop.set()
-            thread.join()
-            for conn in held:
-                conn.close()
-            listener.close()
-        return
-
-    class Fail(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:
-            return None
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            self.send_response(500)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Fail)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 async def _fire(base: str, count: int) -> list[int]:
@@ -84,7 +26,7 @@ async def _fire(base: str, count: int) -> list[int]:
         return list(await asyncio.gather(*(one(i) for i in range(count))))
 
 
-@pytest.mark.parametrize("mode", ["down", "hang", "500"])
+@pytest.mark.parametrize("mode", FAULT_MODES)
 def test_requests_succeed_whatever_the_profiler_endpoint_does(mode: str, tmp_path: Path) -> None:
     """Every request succeeds and the server still shuts down promptly."""
     port = free_port()
