@@ -299,3 +299,45 @@ sys.exit(os.waitstatus_to_exitcode(status))
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
+
+
+_header_name = st.binary(min_size=1, max_size=40).map(lambda b: b.lower())
+_headers = st.lists(
+    st.tuples(
+        st.one_of(
+            st.sampled_from([b"traceparent", b"tracestate", b"baggage", b"host", b"cookie"]),
+            _header_name,
+        ),
+        st.binary(max_size=300),
+    ),
+    max_size=12,
+)
+_paths = st.one_of(
+    st.binary(max_size=200).map(lambda b: b"/" + b),
+    st.integers(min_value=0).map(lambda n: f"/users/{n}".encode()),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(path=_paths, headers=_headers, method=st.sampled_from(["GET", "POST", "BREW", "", "get"]))
+def test_any_scope_is_served_with_bounded_safe_labels(
+    path: bytes, headers: list[tuple[bytes, bytes]], method: str
+) -> None:
+    """Arbitrary paths, methods and header bytes: served, one span, safe bounded labels."""
+    exporter = InMemorySpanExporter()
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    app = ProfilingMiddleware(_app(), profiler=None, tracer_provider=provider, environ={})
+    status, body = asyncio.run(_call(app, _scope(path, headers, method)))
+    assert status in (200, 404, 405)
+    (span,) = exporter.get_finished_spans()
+    assert span.context.trace_id != 0
+    assert len(span.name) <= 256
+    assert set(span.name) <= SAFE_VALUE
+    if status == 200:
+        labels = json.loads(body)
+        assert set(labels) == {"span_name", "span_id", "trace_id"}
+        assert labels["span_id"] == format(span.context.span_id, "016x")
+    assert current_labels() == {}
