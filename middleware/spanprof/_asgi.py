@@ -38,16 +38,42 @@ class _FromEnv:
 FROM_ENV: Any = _FromEnv()
 """Default of ``profiler=``: a ``PyroscopeBackend`` if ``PYROSCOPE_SERVER_ADDRESS`` is set."""
 
-# (span name, route template, reused server span?) of the request entering the labelled layer.
-_ROUTE: ContextVar[tuple[str, str | None, bool]] = ContextVar(
-    "spanprof.route", default=("", None, False)
-)
+
+class _Request:
+    """What the outer layer hands the labelled layer through the OpenTelemetry middleware."""
+
+    __slots__ = ("entered", "name", "scope", "template")
+
+    def __init__(self, name: str, template: str | None, scope: Scope) -> None:
+        self.name = name
+        self.template = template
+        # The app always gets the server's scope, even when OTel was shown a sanitized copy.
+        self.scope = scope
+        self.entered = False
+
+
+_REQUEST: ContextVar[_Request | None] = ContextVar("spanprof.request", default=None)
 
 
 def _span_details(scope: Scope) -> tuple[str, dict[str, Any]]:
     # http.route is set once, with pyroscope.profile.id, in annotate_span: OTel's ASGI
     # middleware sets every start attribute a second time, so passing it here costs double.
-    return _ROUTE.get()[0], {}
+    request = _REQUEST.get()
+    return (request.name if request is not None else UNMATCHED), {}
+
+
+def _sanitized(scope: Scope) -> Scope:
+    """A copy of ``scope`` without headers OTel's ASGI getter cannot decode.
+
+    It decodes every header name and value with ``unicode_escape`` on each lookup, so one
+    stray backslash in any header (``traceparent: \\x80\\``) raises before the app runs.
+    """
+    headers = [
+        (name, value)
+        for name, value in scope.get("headers", ())
+        if b"\\" not in name and b"\\" not in value
+    ]
+    return {**scope, "headers": headers}
 
 
 class _Labelled:
@@ -59,7 +85,12 @@ class _Labelled:
         self.durations = durations
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        name, template, _ = _ROUTE.get()
+        request = _REQUEST.get()
+        if request is None:  # called without the outer layer: nothing to label with
+            await self.app(scope, receive, send)
+            return
+        request.entered = True
+        name, template, scope = request.name, request.template, request.scope
         span = trace.get_current_span()
         labels = request_labels(span, name, with_trace_id=self.with_trace_id)
         annotate_span(span, labels, template)
@@ -235,11 +266,27 @@ class ProfilingMiddleware:
         if reused and template is not None and current.is_recording():
             # FastAPIInstrumentor or opentelemetry-instrument already opened the server span.
             current.update_name(name)
-        token = _ROUTE.set((name, template, reused))
+        request = _Request(name, template, scope)
+        token = _REQUEST.set(request)
         try:
-            await (self._labelled if reused else self._traced)(scope, receive, send)
+            if reused:
+                await self._labelled(scope, receive, send)
+                return
+            try:
+                await self._traced(scope, receive, send)
+            except Exception:
+                if request.entered:
+                    raise  # the app's own failure
+                # OpenTelemetry failed before the app ran (undecodable trace headers): the
+                # request must not. Retry with the headers it cannot read left out.
+                log_once(
+                    "otel-asgi-headers",
+                    "spanprof: OpenTelemetry's ASGI middleware failed on this request's "
+                    "headers; served it with those headers hidden from tracing (logged once)",
+                )
+                await self._traced(_sanitized(scope), receive, send)
         finally:
-            _ROUTE.reset(token)
+            _REQUEST.reset(token)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         runtime = self._runtime
