@@ -6,7 +6,7 @@ Profiles and traces point at each other: every sample of a request carries its `
 
 from __future__ import annotations
 
-from ._asgi import FROM_ENV, ProfilingMiddleware
+from ._asgi import ProfilingMiddleware
 from ._backend import ProfilerBackend
 from ._engine import install_label_engine, installed_backend, uninstall_label_engine
 from ._greenlets import install_greenlet_labels, uninstall_greenlet_labels
@@ -15,6 +15,7 @@ from ._prometheus import PrometheusMetrics
 from ._pyroscope import PyroscopeBackend
 from ._recorder import RecorderBackend
 from ._scope import current_labels, profile_labels
+from ._settings import FROM_ENV
 from ._slo import SloPolicy
 from ._wsgi import WSGIProfilingMiddleware
 from ._wsgi_routes import django_route_resolver, flask_route_resolver

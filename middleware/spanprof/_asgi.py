@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -14,29 +13,17 @@ from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
 from opentelemetry.trace import TracerProvider
 
 from ._backend import ProfilerBackend
-from ._config import parse_bool
 from ._duration import DurationRecorder
 from ._engine import attach_loop, sync
 from ._labelset import LABELS
 from ._logging import log_once
 from ._prometheus import PrometheusMetrics
-from ._pyroscope import PyroscopeBackend
 from ._routes import UNMATCHED, known_method, span_name, starlette_route_template
-from ._runtime import ProfilerRuntime
-from ._slo import SloPolicy
+from ._settings import FROM_ENV, MiddlewareSettings
 from ._spanlabels import annotate_span, is_server_span, request_labels
 from ._types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["FROM_ENV", "ProfilingMiddleware"]
-
-
-class _FromEnv:
-    def __repr__(self) -> str:
-        return "FROM_ENV"
-
-
-FROM_ENV: Any = _FromEnv()
-"""Default of ``profiler=``: a ``PyroscopeBackend`` if ``PYROSCOPE_SERVER_ADDRESS`` is set."""
 
 
 class _Request:
@@ -200,26 +187,21 @@ class ProfilingMiddleware:
         prometheus: PrometheusMetrics | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> None:
-        env = os.environ if environ is None else environ
         self.app = app
-        backend = PyroscopeBackend.from_env(env) if profiler is FROM_ENV else profiler
-        if backend is not None and not isinstance(backend, ProfilerBackend):
-            raise ValueError(
-                "profiler: expected a ProfilerBackend (start, shutdown, set_thread_labels), "
-                f"got {backend!r}"
-            )
-        self._runtime = ProfilerRuntime(backend)
-        if trace_id_label is None:
-            raw = env.get("SPANPROF_TRACE_ID_LABEL")
-            trace_id_label = True if raw is None else parse_bool("SPANPROF_TRACE_ID_LABEL", raw)
-        self._resolve = route_resolver
-        slo = SloPolicy.build(slo_seconds=slo_seconds, route_slos=route_slos, environ=env)
-        durations = DurationRecorder(
+        settings = MiddlewareSettings.build(
+            profiler=profiler,
+            trace_id_label=trace_id_label,
             meter_provider=meter_provider,
-            slo=slo,
-            extra_sinks=(prometheus.observe,) if prometheus is not None else (),
+            slo_seconds=slo_seconds,
+            route_slos=route_slos,
+            prometheus=prometheus,
+            environ=environ,
         )
-        self._labelled = _Labelled(app, with_trace_id=trace_id_label, durations=durations)
+        self._runtime = settings.runtime
+        self._resolve = route_resolver
+        self._labelled = _Labelled(
+            app, with_trace_id=settings.with_trace_id, durations=settings.durations
+        )
         self._traced = OpenTelemetryMiddleware(
             self._labelled,
             excluded_urls=excluded_urls,

@@ -10,7 +10,6 @@ ends (span, duration) when the body is closed, so streaming bodies count in full
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -36,18 +35,13 @@ from opentelemetry.propagate import extract
 from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
 from opentelemetry.util.http import ExcludeList, parse_excluded_urls
 
-from ._asgi import FROM_ENV
 from ._backend import ProfilerBackend
-from ._config import parse_bool
-from ._duration import DurationRecorder
 from ._labelset import LabelSet
 from ._logging import log_once
 from ._prometheus import PrometheusMetrics
-from ._pyroscope import PyroscopeBackend
 from ._routes import UNMATCHED, known_method, span_name
-from ._runtime import ProfilerRuntime
 from ._scope import labels_scope
-from ._slo import SloPolicy
+from ._settings import FROM_ENV, MiddlewareSettings
 from ._spanlabels import annotate_span, is_server_span, request_labels
 from ._wsgi_routes import WSGIRouteResolver, default_route_resolver
 
@@ -118,7 +112,6 @@ class WSGIProfilingMiddleware:
         prometheus: PrometheusMetrics | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> None:
-        env = os.environ if environ is None else environ
         if not callable(app):
             raise ValueError(f"app: expected a WSGI application (a callable), got {app!r}")
         if route_resolver is not None and not callable(route_resolver):
@@ -126,28 +119,23 @@ class WSGIProfilingMiddleware:
                 f"route_resolver: expected a callable environ -> str | None, got {route_resolver!r}"
             )
         self.app = app
-        backend = PyroscopeBackend.from_env(env) if profiler is FROM_ENV else profiler
-        if backend is not None and not isinstance(backend, ProfilerBackend):
-            raise ValueError(
-                "profiler: expected a ProfilerBackend (start, shutdown, set_thread_labels), "
-                f"got {backend!r}"
-            )
-        self._runtime = ProfilerRuntime(backend)
-        if trace_id_label is None:
-            raw = env.get("SPANPROF_TRACE_ID_LABEL")
-            trace_id_label = True if raw is None else parse_bool("SPANPROF_TRACE_ID_LABEL", raw)
-        self._with_trace_id = trace_id_label
+        settings = MiddlewareSettings.build(
+            profiler=profiler,
+            trace_id_label=trace_id_label,
+            meter_provider=meter_provider,
+            slo_seconds=slo_seconds,
+            route_slos=route_slos,
+            prometheus=prometheus,
+            environ=environ,
+        )
+        self._runtime = settings.runtime
+        self._with_trace_id = settings.with_trace_id
+        self._durations = settings.durations
         self._resolve = (
             route_resolver if route_resolver is not None else default_route_resolver(app)
         )
         self._excluded: ExcludeList | None = (
             parse_excluded_urls(excluded_urls) if excluded_urls else None
-        )
-        slo = SloPolicy.build(slo_seconds=slo_seconds, route_slos=route_slos, environ=env)
-        self._durations = DurationRecorder(
-            meter_provider=meter_provider,
-            slo=slo,
-            extra_sinks=(prometheus.observe,) if prometheus is not None else (),
         )
         _OpenTelemetrySemanticConventionStability._initialize()  # type: ignore[no-untyped-call]
         self._semconv: _StabilityMode = (
