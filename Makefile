@@ -6,7 +6,8 @@ PIP_FLAGS ?= --quiet --disable-pip-version-check
 
 .PHONY: test lint typecheck unit test-matrix bench demo clean
 
-$(BIN)/.installed: pyproject.toml
+# The C extension (spanprof._cproxy) is built by the editable install: rebuild when it changes.
+$(BIN)/.installed: pyproject.toml middleware/spanprof/_cproxy.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(PIP_FLAGS) --upgrade pip
 	$(BIN)/pip install $(PIP_FLAGS) -e '.[dev,demo]'

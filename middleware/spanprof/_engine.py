@@ -17,6 +17,9 @@ set differs from what that thread last pushed, tells the backend:
 
 Nothing is patched at import time: ``install_label_engine`` patches, ``uninstall_label_engine``
 restores the originals.
+
+The coroutine proxy and the per-thread state come in C (``spanprof._cproxy``) when the package
+was built with a compiler; without it the Python versions below do the same, slower.
 """
 
 from __future__ import annotations
@@ -30,11 +33,18 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Generator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ._backend import ProfilerBackend
 from ._labelset import EMPTY, LABELS, LabelSet
 from ._logging import log_once
+
+try:
+    from ._cproxy import LabelledCoroutine as _CLabelledCoroutine
+    from ._cproxy import ThreadLabels as _CThreadLabels
+except ImportError:  # installed without a C compiler: the Python versions below do the same
+    _CLabelledCoroutine = None  # type: ignore[assignment,misc]
+    _CThreadLabels = None  # type: ignore[assignment,misc]
 
 __all__ = [
     "apply",
@@ -66,12 +76,24 @@ else:
     _NativeLocal = _native_thread_local()
 
 
+class _PerThread(Protocol):
+    # What the backend was last told for the calling thread.
+    labels: LabelSet
+
+
 class _ThreadState(_NativeLocal):
-    # What the backend was last told for this thread.
     labels: LabelSet = EMPTY
 
 
-_tls = _ThreadState()
+def _new_thread_state() -> _PerThread:
+    # A fresh state: every thread starts again from EMPTY. The C one lives in the OS thread's
+    # state: per OS thread whatever gevent patched, and read without running Python code.
+    if _CThreadLabels is not None:
+        return _CThreadLabels(EMPTY)
+    return _ThreadState()
+
+
+_tls = _new_thread_state()
 _backend: ProfilerBackend | None = None
 _lock = threading.RLock()
 _restore: list[Callable[[], None]] = []
@@ -169,6 +191,18 @@ class _LabelledCoroutine:
 
 
 Coroutine.register(_LabelledCoroutine)
+if _CLabelledCoroutine is not None:
+    # asyncio.Task accepts only coroutines; its check is isinstance(coro, abc.Coroutine).
+    Coroutine.register(_CLabelledCoroutine)
+
+
+def _labelled(coro: Coroutine[Any, Any, Any]) -> Coroutine[Any, Any, Any]:
+    if _CLabelledCoroutine is not None:
+        # The C proxy reads ``_tls`` from this module's namespace on every step, because
+        # install, uninstall and fork replace it: ``_tls.labels`` stays the one source of truth.
+        return _CLabelledCoroutine(coro, LABELS, globals(), apply)
+    return _LabelledCoroutine(coro)
+
 
 _TaskFactory = Callable[..., "asyncio.Future[Any]"]
 
@@ -186,8 +220,9 @@ class _LabelTaskFactory:
         self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
     ) -> asyncio.Future[Any]:
         engaged = _backend is not None
-        if engaged and self.wrap_coroutines:
-            coro = _LabelledCoroutine(coro)
+        # Not a coroutine: left unwrapped, so the task raises its usual TypeError at once.
+        if engaged and self.wrap_coroutines and asyncio.iscoroutine(coro):
+            coro = _labelled(coro)
         task: asyncio.Future[Any]
         if self.inner is None:
             task = asyncio.Task(coro, loop=loop, **kwargs)
@@ -308,7 +343,7 @@ def _after_fork_in_child() -> None:
     global _tls, _seen_loop
     # Only the forking thread survives; whatever the parent's backend was told is not true for
     # the child's profiler, which starts fresh.
-    _tls = _ThreadState()
+    _tls = _new_thread_state()
     _seen_loop = None
 
 
@@ -329,7 +364,7 @@ def install_label_engine(backend: ProfilerBackend) -> None:
         if not _fork_hook_registered:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _fork_hook_registered = True
-        _tls = _ThreadState()
+        _tls = _new_thread_state()
         _seen_loop = None
         _backend = backend
     attach_loop()
@@ -352,5 +387,5 @@ def uninstall_label_engine() -> None:
         with contextlib.suppress(RuntimeError):  # not called from a running loop
             _detach_loop(asyncio.get_running_loop())
         _backend = None
-        _tls = _ThreadState()
+        _tls = _new_thread_state()
         _seen_loop = None

@@ -79,7 +79,9 @@ def _check_engine_state() -> None:
     import sys
 
     monkey = sys.modules.get("gevent.monkey")
-    if monkey is None:
+    if monkey is None or not isinstance(_engine._tls, _engine._ThreadState):
+        # Not a threading.local: spanprof._cproxy's ThreadLabels, kept in the OS thread's state
+        # whatever gevent patched.
         return
     native_local = monkey.get_original("_thread", "_local")
     if not isinstance(_engine._tls, native_local):

@@ -1,0 +1,33 @@
+"""Type stub of the optional C extension ``spanprof._cproxy`` (source: ``_cproxy.c``)."""
+
+from collections.abc import Callable, Coroutine, Generator
+from contextvars import ContextVar
+from typing import Any, final
+
+from ._labelset import LabelSet
+
+@final
+class LabelledCoroutine(Coroutine[Any, Any, Any]):
+    """A coroutine proxy that syncs the thread's profiler labels before each step."""
+
+    def __new__(
+        cls,
+        coro: Coroutine[Any, Any, Any],
+        labels_var: ContextVar[LabelSet],
+        namespace: dict[str, Any],
+        apply: Callable[[LabelSet], object],
+    ) -> LabelledCoroutine: ...
+    def send(self, value: Any, /) -> Any: ...
+    def throw(self, *args: Any) -> Any: ...
+    def close(self) -> None: ...
+    def __await__(self) -> Generator[Any, None, Any]: ...
+    def __iter__(self) -> LabelledCoroutine: ...
+    def __next__(self) -> Any: ...
+    def __getattr__(self, name: str) -> Any: ...
+
+@final
+class ThreadLabels:
+    """What each OS thread last pushed: ``labels`` is the calling thread's value."""
+
+    labels: LabelSet
+    def __new__(cls, default: LabelSet) -> ThreadLabels: ...
