@@ -17,7 +17,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import bench_accuracy, bench_engine, bench_exemplar, bench_faults, bench_request
+from . import (
+    bench_accuracy,
+    bench_engine,
+    bench_exact,
+    bench_exemplar,
+    bench_faults,
+    bench_request,
+)
 from ._report import Section, machine_info, render
 
 __all__ = ["BENCHMARKS", "main"]
@@ -27,6 +34,7 @@ BENCHMARKS: dict[str, Callable[[bool], Section]] = {
     "engine": bench_engine.run,
     "exemplar": bench_exemplar.run,
     "faults": bench_faults.run,
+    "exact": bench_exact.run,
     "accuracy": bench_accuracy.run,
 }
 

@@ -92,3 +92,16 @@ def test_profiler_must_be_a_backend() -> None:
     """A profiler= that is not a ProfilerBackend is refused at construction."""
     with pytest.raises(ValueError, match="profiler"):
         ProfilingMiddleware(_app, profiler="pyroscope")  # type: ignore[arg-type]
+
+
+def test_spanprof_profiler_selects_the_exact_backend() -> None:
+    """SPANPROF_PROFILER=exact picks ExactBackend; pyroscope (default) the agent; else error."""
+    from spanprof import ExactBackend
+
+    base = {"PYROSCOPE_SERVER_ADDRESS": "http://p:4040"}
+    exact = ProfilingMiddleware(_app, environ={**base, "SPANPROF_PROFILER": "exact"}).profiler
+    assert isinstance(exact, ExactBackend)
+    default = ProfilingMiddleware(_app, environ=base).profiler
+    assert isinstance(default, PyroscopeBackend)
+    with pytest.raises(ValueError, match="SPANPROF_PROFILER"):
+        ProfilingMiddleware(_app, environ={**base, "SPANPROF_PROFILER": "perf"})

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ._asgi import ProfilingMiddleware
 from ._backend import ProfilerBackend
 from ._engine import install_label_engine, installed_backend, uninstall_label_engine
+from ._exact import ExactBackend
 from ._greenlets import install_greenlet_labels, uninstall_greenlet_labels
 from ._labelset import LabelSet
 from ._prometheus import PrometheusMetrics
@@ -21,6 +22,7 @@ from ._wsgi import WSGIProfilingMiddleware
 from ._wsgi_routes import django_route_resolver, flask_route_resolver
 
 __all__ = [
+    "ExactBackend",
     "FROM_ENV",
     "LabelSet",
     "ProfilerBackend",

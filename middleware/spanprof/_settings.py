@@ -12,8 +12,8 @@ from opentelemetry.metrics import MeterProvider
 from ._backend import ProfilerBackend
 from ._config import parse_bool
 from ._duration import DurationRecorder
+from ._exact import profiler_from_env
 from ._prometheus import PrometheusMetrics
-from ._pyroscope import PyroscopeBackend
 from ._runtime import ProfilerRuntime
 from ._slo import SloPolicy
 
@@ -30,8 +30,11 @@ FROM_ENV: Any = _FromEnv()
 
 
 def backend_from_env(env: Mapping[str, str]) -> ProfilerBackend | None:
-    """The profiler the environment asks for (``None`` without a server address)."""
-    return PyroscopeBackend.from_env(env)
+    """The profiler the environment asks for (``None`` without a server address).
+
+    ``SPANPROF_PROFILER=exact`` picks the exact sampler, ``pyroscope`` (default) the agent.
+    """
+    return profiler_from_env(env)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,268 @@
+"""The exact profiler backend, and the choice between it and pyroscope-io.
+
+``ExactBackend`` samples with spanprof's own signal-driven sampler (``_sampler``), which reads a
+thread's stack and its labels at the same instant, and uploads with ``_pusher`` to the same
+Pyroscope endpoint, in the same format and with the same series labels as pyroscope-io, so
+dashboards and Grafana's trace-to-profile links work unchanged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections.abc import Mapping
+
+from ._backend import ProfilerBackend
+from ._config import parse_int, parse_labels, parse_seconds, parse_server_address
+from ._labelset import LabelSet
+from ._logging import logger
+from ._pusher import Pusher, series_labels
+from ._pyroscope import PyroscopeBackend
+from ._sampler import CLOCKS, Sampler, SamplerUnavailable
+
+__all__ = ["PROFILERS", "ExactBackend", "profiler_from_env"]
+
+#: Values of ``SPANPROF_PROFILER``.
+PROFILERS = ("pyroscope", "exact")
+
+
+def _ignore(previous: LabelSet, current: LabelSet) -> None:
+    return None
+
+
+class ExactBackend:
+    """Profiles with exact per-sample labels, even when requests switch every 100 µs.
+
+    A ``SIGPROF`` timer (``ITIMER_PROF``, ``sample_rate`` ticks per second of process CPU) runs
+    a handler in the main thread that reads every thread's stack together with the labels it
+    runs under: the event loop's running task's labels straight from its context, thread-pool
+    work's labels as the label engine recorded them when the job started. Samples weigh the CPU
+    each thread used; threads waiting on a lock, a queue or a socket are not counted as running.
+    Uploads go to ``{server_address}/push.v1.PusherService/Push`` every ``upload_interval``
+    seconds, exactly like pyroscope-io's, from a background thread that encodes in slices of
+    under a millisecond, retries with back-off and drops (and counts) windows the server never
+    took; ``shutdown()`` flushes the last one.
+
+    ```python
+    app.add_middleware(spanprof.ProfilingMiddleware, profiler=spanprof.ExactBackend(
+        server_address="http://pyroscope:4040", application_name="shop"))
+    ```
+
+    Requirements: Linux, the GIL, and ``start()`` in the main thread (the middleware starts it at
+    lifespan startup, so the event loop must run in the main thread: uvicorn, gunicorn workers,
+    hypercorn). Otherwise it logs why at start-up and falls back to pyroscope-io with the label
+    engine. It uses ``SIGPROF`` (``SIGALRM`` with ``clock="wall"``) and refuses to start, raising
+    ``RuntimeError``, when that signal already has a handler. Threads that run labelled work
+    block that signal, so it interrupts only the main thread.
+
+    Arguments:
+        server_address: Pyroscope URL, e.g. ``http://pyroscope:4040``.
+        application_name: the ``service_name`` the profiles are stored under.
+        upload_interval: whole seconds between uploads (default 10).
+        sample_rate: timer ticks per second (default 100; Linux delivers at most ~250).
+        tenant_id: tenant for multi-tenant servers (``X-Scope-OrgID``).
+        basic_auth_username, basic_auth_password: basic auth for the server.
+        tags: static labels on every sample of this process.
+        clock: ``"cpu"`` (default: on-CPU samples) or ``"wall"`` (every thread, waiting
+            included, weighted by wall time; uses ``SIGALRM``).
+    """
+
+    def __init__(
+        self,
+        *,
+        server_address: str,
+        application_name: str,
+        upload_interval: int = 10,
+        sample_rate: int = 100,
+        tenant_id: str = "",
+        basic_auth_username: str = "",
+        basic_auth_password: str = "",
+        tags: Mapping[str, str] | None = None,
+        clock: str = "cpu",
+    ) -> None:
+        self.server_address = parse_server_address("server_address", server_address)
+        if not application_name:
+            raise ValueError("application_name: must not be empty")
+        self.application_name = application_name
+        self.upload_interval = parse_seconds("upload_interval", str(upload_interval))
+        self.sample_rate = parse_int("sample_rate", str(sample_rate), minimum=1, maximum=1000)
+        self.tenant_id = tenant_id
+        self.basic_auth_username = basic_auth_username
+        self.basic_auth_password = basic_auth_password
+        self.tags = parse_labels("tags", tags or {})
+        if clock not in CLOCKS:
+            raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {clock!r}")
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._sampler: Sampler | None = None
+        self._idle_sampler: Sampler | None = None
+        self._idle_pid: int | None = None
+        self._pusher: Pusher | None = None
+        self._fallback: PyroscopeBackend | None = None
+        self._sink = _ignore
+        self._atexit_registered = False
+        self._last_stats: dict[str, float] = {}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ExactBackend | None:
+        """A backend configured from the same variables as ``PyroscopeBackend.from_env``.
+
+        ``PYROSCOPE_SERVER_ADDRESS`` (unset: ``None``), ``PYROSCOPE_APPLICATION_NAME`` (default
+        ``OTEL_SERVICE_NAME``), ``PYROSCOPE_UPLOAD_INTERVAL``, ``PYROSCOPE_SAMPLE_RATE``,
+        ``PYROSCOPE_TENANT_ID``, ``PYROSCOPE_BASIC_AUTH_USER``, ``PYROSCOPE_BASIC_AUTH_PASSWORD``,
+        ``PYROSCOPE_LABELS``, plus ``SPANPROF_PROFILE_CLOCK`` (``cpu`` or ``wall``). A bad value
+        raises ``ValueError`` naming the variable.
+        """
+        env = os.environ if environ is None else environ
+        # One parser for both backends: the variables mean exactly the same thing.
+        base = PyroscopeBackend.from_env(env)
+        if base is None:
+            return None
+        clock = env.get("SPANPROF_PROFILE_CLOCK", "cpu").strip().lower() or "cpu"
+        if clock not in CLOCKS:
+            raise ValueError(
+                f"SPANPROF_PROFILE_CLOCK={clock!r}: expected one of {', '.join(CLOCKS)}"
+            )
+        return cls(
+            server_address=base.server_address,
+            application_name=base.application_name,
+            upload_interval=base.upload_interval,
+            sample_rate=base.sample_rate,
+            tenant_id=base.tenant_id,
+            basic_auth_username=base.basic_auth_username,
+            basic_auth_password=base.basic_auth_password,
+            tags=base.tags,
+            clock=clock,
+        )
+
+    # --- what runs -----------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        """``"exact"``, ``"pyroscope"`` (the fallback) or ``"stopped"`` in this process."""
+        if self._pid != os.getpid():
+            return "stopped"
+        return "pyroscope" if self._fallback is not None else "exact"
+
+    @property
+    def needs_step_hooks(self) -> bool:
+        """Whether the label engine must push labels on every event-loop step.
+
+        Not when sampling exactly: the sampler reads the main thread's labels from its context.
+        Thread-pool jobs still push theirs.
+        """
+        return self.mode != "exact"
+
+    def stats(self) -> dict[str, float]:
+        """Sampler and uploader counters: ticks, stall percentiles (µs), uploads, drops..."""
+        sampler, pusher = self._sampler, self._pusher
+        if sampler is None or pusher is None or self._pid != os.getpid():
+            return dict(self._last_stats)
+        return {**sampler.stats(), **pusher.stats()}
+
+    # --- ProfilerBackend -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start sampling and uploading in this process (again after a fork; else once).
+
+        Raises ``RuntimeError`` when the sampler's signal is taken. Falls back to pyroscope-io,
+        with a warning saying why, when this process cannot be sampled exactly.
+        """
+        with self._lock:
+            pid = os.getpid()
+            if self._pid == pid:
+                return
+            # After a fork the parent's objects are here, but not its threads or timer.
+            self._sampler = self._pusher = self._fallback = None
+            self._sink = _ignore
+            sampler = self._idle_sampler
+            if sampler is None or self._idle_pid != pid:
+                sampler = Sampler(sample_rate=self.sample_rate, clock=self.clock)
+            # Restarted in the same process: keep its interned frames and stacks warm.
+            self._idle_sampler, self._idle_pid = sampler, pid
+            try:
+                sampler.start()
+            except SamplerUnavailable as exc:
+                logger.warning(
+                    "spanprof: the exact profiler cannot run in this process: %s. Falling back "
+                    "to pyroscope-io with the label engine; its samples may carry the labels of "
+                    "whatever ran ~0.2 ms after the stack was read",
+                    exc,
+                )
+                fallback = self._pyroscope()
+                fallback.start()
+                self._fallback = fallback
+                self._sink = fallback.set_thread_labels
+            else:
+                pusher = Pusher(
+                    server_address=self.server_address,
+                    labels=series_labels(self.application_name, self.tags),
+                    period_ns=1_000_000_000 // self.sample_rate,
+                    upload_interval=self.upload_interval,
+                    tenant_id=self.tenant_id,
+                    basic_auth_username=self.basic_auth_username,
+                    basic_auth_password=self.basic_auth_password,
+                    # Within ProfilerRuntime's 5 s shutdown budget, even with the server away.
+                    flush_timeout=2.0,
+                    block_signals=(sampler.signum,),
+                )
+                pusher.start(sampler.take_window)
+                self._sampler, self._pusher = sampler, pusher
+                self._sink = sampler.set_thread_labels
+                logger.debug("spanprof: exact profiler started (pid %d)", pid)
+            self._pid = pid
+            if not self._atexit_registered:
+                # Like pyroscope-io: the last window is sent even without a lifespan shutdown.
+                atexit.register(self.shutdown)
+                self._atexit_registered = True
+
+    def shutdown(self) -> None:
+        """Stop sampling, upload the last window and stop the uploader."""
+        with self._lock:
+            if self._pid != os.getpid():
+                return
+            self._pid = None
+            self._sink = _ignore
+            sampler, pusher, fallback = self._sampler, self._pusher, self._fallback
+            self._sampler = self._pusher = self._fallback = None
+            if sampler is not None:
+                sampler.stop()
+            if pusher is not None:
+                pusher.stop()
+            if sampler is not None and pusher is not None:
+                self._last_stats = {**sampler.stats(), **pusher.stats()}
+            if fallback is not None:
+                fallback.shutdown()
+
+    def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
+        """The calling thread switched labels (thread-pool job start or end, mostly)."""
+        self._sink(previous, current)
+
+    def _pyroscope(self) -> PyroscopeBackend:
+        return PyroscopeBackend(
+            server_address=self.server_address,
+            application_name=self.application_name,
+            upload_interval=self.upload_interval,
+            sample_rate=self.sample_rate,
+            tenant_id=self.tenant_id,
+            basic_auth_username=self.basic_auth_username,
+            basic_auth_password=self.basic_auth_password,
+            tags=self.tags,
+        )
+
+
+def profiler_from_env(environ: Mapping[str, str] | None = None) -> ProfilerBackend | None:
+    """The profiler ``SPANPROF_PROFILER`` names, configured from ``PYROSCOPE_*``, or ``None``.
+
+    ``pyroscope`` (default): ``PyroscopeBackend.from_env``; ``exact``: ``ExactBackend.from_env``.
+    Either is ``None`` when ``PYROSCOPE_SERVER_ADDRESS`` is unset.
+    """
+    env = os.environ if environ is None else environ
+    choice = env.get("SPANPROF_PROFILER", "").strip().lower() or "pyroscope"
+    if choice == "pyroscope":
+        return PyroscopeBackend.from_env(env)
+    if choice == "exact":
+        return ExactBackend.from_env(env)
+    raise ValueError(f"SPANPROF_PROFILER={choice!r}: expected one of {', '.join(PROFILERS)}")

@@ -1,0 +1,428 @@
+"""Uploads to Pyroscope exactly the way pyroscope-io does, from a background thread.
+
+One ``POST {server}/push.v1.PusherService/Push`` per upload interval: a gzip'd ``PushRequest``
+(``Content-Type: application/proto``, ``Content-Encoding: gzip``) holding one series labelled
+``__name__=process_cpu``, ``service_name``, the static tags and ``process.runtime.*``, whose
+pprof samples carry the per-sample labels (``span_id``, ``trace_id``, ``span_name``...). Basic
+auth and the tenant header (``X-Scope-OrgID``) as the agent sends them.
+
+The window is encoded in slices of at most ~0.5 ms of CPU each, releasing the GIL in between, so
+the application's threads never wait long for the exporter: samples are added to a
+``ProfileBuilder`` a few at a time, and a window with many distinct samples becomes several
+small pprof profiles (one ``RawSample`` each) instead of one big one that takes milliseconds to
+serialise. A failed upload is retried with exponential back-off; while the server is away at
+most ``max_pending`` windows wait, and the oldest is dropped (and counted) to make room.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import gzip
+import http.client
+import platform
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+from ._logging import log_once
+from ._pprof import ProfileBuilder
+from ._push import PUSH_CONTENT_TYPE, PUSH_PATH, encode_push_request
+from ._sampler import Window
+
+__all__ = ["Pusher", "WindowEncoder", "series_labels", "spanprof_version"]
+
+# Each slice of encoding work stops after this much time.
+STEP_BUDGET_NS = 500_000
+# A profile's build() is one step: keep profiles small enough that it stays short.
+_BUILD_TARGET_NS = 1_000_000
+_MIN_PROFILE_SAMPLES = 8
+_MAX_PROFILE_SAMPLES = 1024
+
+_Outcome = Literal["ok", "retry", "reject"]
+
+
+def spanprof_version() -> str:
+    """The installed spanprof version (``0`` when not installed as a distribution)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("spanprof")
+    except metadata.PackageNotFoundError:
+        return "0"
+
+
+def series_labels(application_name: str, tags: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The series labels pyroscope-io sends, with spanprof as the instrumentation scope."""
+    fixed = [("__name__", "process_cpu"), ("service_name", application_name)]
+    labels = sorted([*fixed, *tags.items()])
+    labels += [
+        ("otel.scope.name", "spanprof"),
+        ("otel.scope.version", spanprof_version()),
+        ("process.runtime.name", sys.implementation.name),
+        ("process.runtime.version", platform.python_version()),
+    ]
+    return labels
+
+
+class WindowEncoder:
+    """Turns a ``Window`` into raw pprof profiles, one bounded slice of work per ``step()``.
+
+    Arguments:
+        window: the samples to encode (no longer written by the sampler).
+        period_ns: the sampling period written into each profile.
+        budget_ns: the time after which a slice of ``ProfileBuilder.add`` calls stops.
+        max_samples: distinct samples per profile to start with; adapted so that one profile's
+            ``build()`` takes about a millisecond at most.
+    """
+
+    def __init__(
+        self,
+        window: Window,
+        *,
+        period_ns: int,
+        budget_ns: int = STEP_BUDGET_NS,
+        max_samples: int = 32,
+    ) -> None:
+        self.window = window
+        self.period_ns = period_ns
+        self.budget_ns = budget_ns
+        self.max_samples = max_samples
+        self.profiles: list[bytes] = []
+        self._items = iter(list(window.values.items()))
+        self._builder = self._new_builder()
+        self._build_next = False
+        self._exhausted = False
+
+    def _new_builder(self) -> ProfileBuilder:
+        return ProfileBuilder((("cpu", "nanoseconds"),), ("cpu", "nanoseconds"), self.period_ns)
+
+    @property
+    def done(self) -> bool:
+        """Whether every sample is in ``profiles``."""
+        return self._exhausted and not self._build_next
+
+    def step(self) -> bool:
+        """Do one slice of work; return ``True`` when the window is fully encoded."""
+        if self._build_next:
+            self._build()
+            return self.done
+        window = self.window
+        builder = self._builder
+        deadline = time.perf_counter_ns() + self.budget_ns
+        for (sid, labels), value in self._items:
+            builder.add(window.stack(sid), value, labels.items_tuple)
+            if len(builder) >= self.max_samples:
+                self._build_next = True
+                return False
+            if time.perf_counter_ns() > deadline:
+                return False
+        self._exhausted = True
+        self._build_next = len(builder) > 0
+        return self.done
+
+    def _build(self) -> None:
+        started = time.perf_counter_ns()
+        window = self.window
+        self.profiles.append(
+            self._builder.build(
+                time_nanos=window.start_ns, duration_nanos=max(0, window.end_ns - window.start_ns)
+            )
+        )
+        took = time.perf_counter_ns() - started
+        if took > _BUILD_TARGET_NS:
+            self.max_samples = max(_MIN_PROFILE_SAMPLES, self.max_samples // 2)
+        elif took < _BUILD_TARGET_NS // 4:
+            self.max_samples = min(_MAX_PROFILE_SAMPLES, self.max_samples * 2)
+        self._builder = self._new_builder()
+        self._build_next = False
+
+
+@dataclass
+class _Payload:
+    body: bytes
+    attempts: int = 0
+
+
+class Pusher:
+    """Encodes windows and pushes them to a Pyroscope server from a daemon thread.
+
+    Arguments:
+        server_address: the Pyroscope URL (the push path is appended to it).
+        labels: the series labels (see ``series_labels``).
+        period_ns: the sampling period written into the profiles.
+        upload_interval: seconds between uploads.
+        tenant_id: sent as ``X-Scope-OrgID`` when set.
+        basic_auth_username, basic_auth_password: basic auth, when either is set.
+        timeout: socket timeout of one upload, seconds.
+        max_pending: windows kept while the server is away; the oldest is dropped beyond that.
+        backoff_initial, backoff_max: seconds before the first retry, and the cap of the
+            doubling back-off.
+        flush_timeout: how long ``stop()`` may spend on the last window and pending retries.
+        block_signals: signals this thread blocks, so the sampler's timer never interrupts it.
+    """
+
+    def __init__(
+        self,
+        *,
+        server_address: str,
+        labels: Iterable[tuple[str, str]],
+        period_ns: int,
+        upload_interval: float = 10.0,
+        tenant_id: str = "",
+        basic_auth_username: str = "",
+        basic_auth_password: str = "",
+        timeout: float = 10.0,
+        max_pending: int = 6,
+        backoff_initial: float = 1.0,
+        backoff_max: float = 30.0,
+        flush_timeout: float = 5.0,
+        block_signals: Iterable[int] = (),
+    ) -> None:
+        parts = urlsplit(server_address)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"server_address: expected an http(s) URL, got {server_address!r}")
+        self.url = server_address.rstrip("/") + PUSH_PATH
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port
+        self._path = parts.path.rstrip("/") + PUSH_PATH
+        self.labels = list(labels)
+        self.period_ns = period_ns
+        self.upload_interval = upload_interval
+        self.timeout = timeout
+        self.max_pending = max_pending
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.flush_timeout = flush_timeout
+        self._block_signals = set(block_signals)
+        self._headers = {
+            "Content-Type": PUSH_CONTENT_TYPE,
+            "Content-Encoding": "gzip",
+            "User-Agent": f"spanprof/{spanprof_version()}",
+        }
+        if basic_auth_username or basic_auth_password:
+            token = f"{basic_auth_username}:{basic_auth_password}".encode()
+            self._headers["Authorization"] = "Basic " + base64.b64encode(token).decode("ascii")
+        if tenant_id:
+            self._headers["X-Scope-OrgID"] = tenant_id
+        self._queue: collections.deque[_Payload] = collections.deque()
+        self._retry_at = 0.0
+        self._conn: http.client.HTTPConnection | None = None
+        self._collect: Callable[[], Window] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.uploads = 0
+        self.failures = 0
+        self.retries = 0
+        self.dropped = 0
+        self.rejected = 0
+        self.empty_windows = 0
+        self.bytes_sent = 0
+        self.export_steps = 0
+        self.export_cpu_ns = 0
+        self.max_step_ns = 0
+        self.max_step_wall_ns = 0
+        self.last_status: int | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self, collect: Callable[[], Window]) -> None:
+        """Start the upload thread; ``collect()`` hands over the samples of each interval."""
+        self._collect = collect
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="spanprof-exact-pusher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Upload the last window and whatever waits for a retry (within ``flush_timeout``)."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._thread = None
+        self._stop.set()
+        # The flush's uploads time out within flush_timeout too (see _run).
+        thread.join(2 * self.flush_timeout + 1.0)
+
+    def stats(self) -> dict[str, float]:
+        """Upload counters and the longest single export step (CPU and wall microseconds)."""
+        return {
+            "uploads": self.uploads,
+            "failures": self.failures,
+            "retries": self.retries,
+            "dropped": self.dropped,
+            "rejected": self.rejected,
+            "pending": len(self._queue),
+            "bytes_sent": self.bytes_sent,
+            "export_steps": self.export_steps,
+            "export_cpu_ms": self.export_cpu_ns / 1e6,
+            "max_export_step_us": self.max_step_ns / 1e3,
+            "max_export_step_wall_us": self.max_step_wall_ns / 1e3,
+        }
+
+    # --- the upload thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self._block_signals:
+            signal.pthread_sigmask(signal.SIG_BLOCK, self._block_signals)
+        next_upload = time.monotonic() + self.upload_interval
+        while True:
+            wake_at = next_upload
+            if self._queue:
+                wake_at = min(wake_at, self._retry_at)
+            if self._stop.wait(max(0.0, wake_at - time.monotonic())):
+                break
+            now = time.monotonic()
+            if now >= next_upload:
+                next_upload += self.upload_interval
+                if next_upload <= now:
+                    next_upload = now + self.upload_interval
+                self._export()
+            if self._queue and time.monotonic() >= self._retry_at:
+                self._send_pending(deadline=None)
+        # The last window: no upload may outlast the flush budget.
+        self.timeout = min(self.timeout, self.flush_timeout)
+        self._close()
+        self._export()
+        self._send_pending(deadline=time.monotonic() + self.flush_timeout)
+        if self._queue:
+            self._drop(len(self._queue), "the server did not answer before shutdown")
+            self._queue.clear()
+        self._close()
+
+    def _timed(self, work: Callable[[], object]) -> None:
+        # One step of export work under the GIL; the sleep(0) after it lets waiting threads in.
+        cpu = time.thread_time_ns()
+        wall = time.perf_counter_ns()
+        work()
+        used = time.thread_time_ns() - cpu
+        self.export_cpu_ns += used
+        self.max_step_ns = max(self.max_step_ns, used)
+        self.max_step_wall_ns = max(self.max_step_wall_ns, time.perf_counter_ns() - wall)
+        self.export_steps += 1
+        time.sleep(0)
+
+    def _export(self) -> None:
+        collect = self._collect
+        if collect is None:
+            return
+        try:
+            window = collect()
+            if not window.values:
+                self.empty_windows += 1
+                return
+            encoder = WindowEncoder(window, period_ns=self.period_ns)
+            while not encoder.done:
+                self._timed(encoder.step)
+            request: list[bytes] = []
+            self._timed(
+                lambda: request.append(encode_push_request([(self.labels, encoder.profiles)]))
+            )
+            # zlib releases the GIL while it deflates.
+            body = gzip.compress(request[0], compresslevel=6, mtime=0)
+        except Exception:
+            log_once(
+                "exact-encode",
+                "spanprof: encoding a profile window failed; it was dropped (logged once)",
+            )
+            self.dropped += 1
+            return
+        if len(self._queue) >= self.max_pending:
+            self._queue.popleft()
+            self._drop(1, f"{self.max_pending} windows already wait for the server")
+        self._queue.append(_Payload(body))
+
+    def _drop(self, count: int, why: str) -> None:
+        self.dropped += count
+        log_once(
+            "exact-push-dropped",
+            f"spanprof: dropped profile windows because {why}; see stats()['dropped'] "
+            "(logged once)",
+            exc_info=False,
+        )
+
+    def _send_pending(self, *, deadline: float | None) -> None:
+        while self._queue:
+            payload = self._queue[0]
+            outcome, detail = self._post(payload.body)
+            if outcome == "ok":
+                self._queue.popleft()
+                self.uploads += 1
+                self.bytes_sent += len(payload.body)
+                continue
+            if outcome == "reject":
+                self._queue.popleft()
+                self.rejected += 1
+                log_once(
+                    f"exact-push-rejected-{detail}",
+                    f"spanprof: {self.url} rejected a profile upload ({detail}); it was dropped "
+                    "(logged once)",
+                    exc_info=False,
+                )
+                continue
+            self.failures += 1
+            payload.attempts += 1
+            delay = min(self.backoff_max, self.backoff_initial * 2 ** (payload.attempts - 1))
+            delay *= random.uniform(0.8, 1.2)
+            log_once(
+                "exact-push-failed",
+                f"spanprof: pushing profiles to {self.url} failed ({detail}); retrying with "
+                f"back-off, keeping at most {self.max_pending} windows (logged once)",
+                exc_info=False,
+            )
+            if deadline is None:
+                self._retry_at = time.monotonic() + delay
+                self.retries += 1
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self.retries += 1
+            time.sleep(min(delay, remaining))
+
+    def _post(self, body: bytes) -> tuple[_Outcome, str]:
+        reused = self._conn is not None
+        try:
+            return self._post_once(body)
+        except (OSError, http.client.HTTPException) as exc:
+            self._close()
+            if not reused:
+                return "retry", f"{type(exc).__name__}: {exc}"
+        # A kept-alive connection the server had closed fails on first use: once more, fresh.
+        try:
+            return self._post_once(body)
+        except (OSError, http.client.HTTPException) as exc:
+            self._close()
+            return "retry", f"{type(exc).__name__}: {exc}"
+
+    def _post_once(self, body: bytes) -> tuple[_Outcome, str]:
+        conn = self._connection()
+        conn.request("POST", self._path, body=body, headers=self._headers)
+        response = conn.getresponse()
+        response.read()
+        status = response.status
+        self.last_status = status
+        if response.will_close:
+            self._close()
+        if 200 <= status < 300:
+            return "ok", str(status)
+        if status in (408, 429) or status >= 500:
+            return "retry", f"HTTP {status}"
+        return "reject", f"HTTP {status}"
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            self._conn = cls(self._host, self._port, timeout=self.timeout)
+        return self._conn
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()

@@ -1,0 +1,876 @@
+"""The exact sampler: one signal handler reads every thread's stack and labels at one instant.
+
+pyroscope-io reads stacks first and thread tags ~0.2 ms later, so on an event loop that switches
+requests every few hundred microseconds its samples carry whoever ran *after* the stack was read.
+Here a ``SIGPROF`` interval timer (``ITIMER_PROF``, counting the process's CPU time) runs a Python
+handler in the main thread, between two bytecodes of whatever the main thread was running, and
+that handler reads:
+
+- the main thread's stack (the interrupted frame) and the labels of the context it runs in
+  (``LABELS.get()`` inside the handler *is* the running task's, or callback's, labels: the handler
+  runs in the interrupted code's context, which cannot move while the handler runs), so an event
+  loop in the main thread needs no per-switch hook at all;
+- every other thread's stack (``sys._current_frames()``) and the labels the label engine last
+  pushed for it through ``set_thread_labels`` (thread-pool jobs push at start and end). The
+  handler can lose the GIL halfway (another thread's forced switch), so each thread's label
+  changes bump a version around them, and a thread whose version moved between the stack
+  snapshot and the label read is left for the next tick.
+
+Weights are CPU time, per thread: each sample weighs the thread's own CPU clock advance since
+the previous tick (an ``ITIMER_PROF`` tick says "the process used 10 ms", not which thread did).
+A thread whose leaf frame is a known blocking wait (``Condition.wait``, a selector's
+``select``...) is not running now: the CPU it used since the last tick goes to the stack it was
+seen running at the previous tick (same labels), else to the frames that called the wait; the
+main thread's goes to its previous tick's sample or is dropped (counted), never to the idle
+loop's empty labels.
+
+Other threads are seen only when the main thread gets the GIL, so a thread-pool job shorter
+than the GIL switch interval (5 ms) often runs entirely between two looks. The label engine's
+pushes close such gaps: when a worker's labels change (a job starts or ends), the CPU it used
+since the last tick is booked under the labels it ran with, on the stack it was seen running,
+else on the job's entry (the pool's frames plus the job's function). One job's CPU never lands
+on the next job's labels, and every labelled job's CPU is counted.
+
+With ``clock="wall"`` an ``ITIMER_REAL`` timer (``SIGALRM``) samples every thread, blocked or not,
+weighted by wall time.
+
+Every table the handler writes is interned as it goes (frame ids, stack ids, one counter per
+``(stack, labels)``), so the exporter only swaps a window out and encodes it in small steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import gc
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import CodeType, FrameType
+from typing import Any
+
+from ._engine import run_labelled
+from ._labelset import EMPTY, LABELS, LabelSet
+from ._pprof import Frame
+
+__all__ = [
+    "CLOCKS",
+    "Sampler",
+    "SamplerUnavailable",
+    "SignalInUse",
+    "Window",
+    "signal_for",
+    "thread_cpu_clock",
+    "unavailable_reason",
+]
+
+#: Sampling clocks: on-CPU time (``SIGPROF``) or wall time (``SIGALRM``).
+CLOCKS = ("cpu", "wall")
+
+# Deepest stack kept (leaf side); deeper recursion would make a single tick expensive.
+MAX_DEPTH = 256
+# Interned frames/stacks are shared by consecutive windows until they grow past this.
+MAX_TABLE_SIZE = 100_000
+# Stall durations kept for percentiles.
+_STALL_RING = 4096
+_PRUNE_EVERY = 64
+
+# Modules whose frames are the waiting machinery above a blocked thread's own code.
+_WAIT_MODULES = frozenset(
+    {"threading", "queue", "selectors", "socket", "ssl", "subprocess", "concurrent.futures._base"}
+)
+_RUN_LABELLED = run_labelled.__code__
+
+# A stack captured on a worker thread, interned later by the handler: (code, lasti, line), leaf
+# first; lasti -1 marks a function's entry (a job not yet started).
+_RawStack = tuple[tuple[CodeType, int, int], ...]
+
+_CO_ASYNC = 0x0080 | 0x0100 | 0x0200  # CO_COROUTINE | CO_ITERABLE_COROUTINE | CO_ASYNC_GENERATOR
+
+
+class SignalInUse(RuntimeError):
+    """The sampler's signal (or its interval timer) already belongs to someone else."""
+
+
+class SamplerUnavailable(RuntimeError):
+    """This process cannot be sampled exactly (wrong thread, platform or build)."""
+
+
+def signal_for(clock: str) -> tuple[int, int]:
+    """``(signal number, interval timer)`` the sampler uses for ``clock``."""
+    if clock == "cpu":
+        return signal.SIGPROF, signal.ITIMER_PROF
+    if clock == "wall":
+        return signal.SIGALRM, signal.ITIMER_REAL
+    raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {clock!r}")
+
+
+def thread_cpu_clock(native_id: int) -> int:
+    """The Linux CPU-time clock id of thread ``native_id`` (a TID).
+
+    Built from the TID rather than with ``time.pthread_getcpuclockid(ident)``: for a thread that
+    has exited, a stale ``pthread_t`` may crash, while a stale TID only makes ``clock_gettime``
+    fail with ``EINVAL``. Same encoding as glibc (``MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)``).
+    """
+    return ((~native_id) << 3) | 6
+
+
+def unavailable_reason() -> str | None:
+    """Why the calling thread cannot start an exact sampler here, or ``None`` if it can."""
+    if not sys.platform.startswith("linux"):
+        return f"it needs Linux per-thread CPU clocks (this is {sys.platform})"
+    is_gil_enabled: Callable[[], bool] | None = getattr(sys, "_is_gil_enabled", None)
+    if is_gil_enabled is not None and not is_gil_enabled():
+        return "it needs the GIL to read stacks and labels at one instant (free-threaded build)"
+    if threading.current_thread() is not threading.main_thread():
+        return (
+            "it must start in the main thread, where Python runs signal handlers, but it was "
+            f"started in thread {threading.current_thread().name!r} (an event loop outside the "
+            "main thread?)"
+        )
+    return None
+
+
+def _blocking_codes() -> dict[int, CodeType]:
+    """Code objects whose frame, as a thread's leaf, means the thread waits instead of runs.
+
+    Only modules already imported are consulted: nothing is imported for this.
+    """
+    candidates: list[tuple[str, str]] = [
+        ("threading", "Condition.wait"),
+        ("threading", "Thread.join"),
+        ("threading", "Thread._wait_for_tstate_lock"),
+        ("concurrent.futures.thread", "_worker"),  # blocked in SimpleQueue.get (C)
+        ("selectors", "SelectSelector.select"),
+        ("selectors", "_PollLikeSelector.select"),
+        ("selectors", "KqueueSelector.select"),
+        ("socket", "socket.accept"),
+        ("socket", "SocketIO.readinto"),
+        ("ssl", "SSLSocket.read"),
+        ("ssl", "SSLSocket.recv_into"),
+        ("subprocess", "Popen._try_wait"),
+        ("asyncio.runners", "Runner.run"),  # a compiled loop waiting in run_until_complete
+        ("asyncio.runners", "run"),
+        ("multiprocessing.connection", "Connection._recv"),
+    ]
+    codes: dict[int, CodeType] = {}
+    for module_name, path in candidates:
+        obj: Any = sys.modules.get(module_name)
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        code = getattr(obj, "__code__", None)
+        if isinstance(code, CodeType):
+            codes[id(code)] = code
+    return codes
+
+
+def _loop_driver_code(frame: FrameType | None) -> CodeType | None:
+    """The Python frame that called into a compiled event loop running ``frame``'s task.
+
+    Walks outward past the task's coroutine frames: the first plain frame below them is whoever
+    called ``run_until_complete`` of a loop written in C (uvloop). When such a loop waits for
+    I/O, that frame is the main thread's leaf.
+    """
+    seen_coroutine = False
+    depth = 0
+    while frame is not None and depth < 1000:
+        is_coroutine = bool(frame.f_code.co_flags & _CO_ASYNC)
+        if is_coroutine:
+            seen_coroutine = True
+        elif seen_coroutine:
+            return frame.f_code
+        frame = frame.f_back
+        depth += 1
+    return None
+
+
+def _code_name(code: CodeType) -> str:
+    # Qualified names (Class.method) from 3.11 on, as pyroscope-io reports them.
+    name: str = getattr(code, "co_qualname", code.co_name)
+    return name
+
+
+class _Tables:
+    """Interned frames and stacks, shared by consecutive windows."""
+
+    __slots__ = ("code_refs", "frame_ids", "frames", "stack_ids", "stacks")
+
+    def __init__(self) -> None:
+        # (id(code), lasti) -> frame id; code objects are kept alive so their ids stay unique.
+        self.frame_ids: dict[tuple[int, int], int] = {}
+        self.frames: list[Frame] = []
+        self.code_refs: dict[int, CodeType] = {}
+        self.stack_ids: dict[tuple[int, ...], int] = {}
+        self.stacks: list[tuple[Frame, ...]] = []
+
+    def add_frame(self, key: tuple[int, int], frame: FrameType) -> int:
+        code = frame.f_code
+        self.code_refs[key[0]] = code
+        name = _code_name(code)
+        fid = len(self.frames)
+        self.frames.append(Frame(name, code.co_filename, frame.f_lineno or code.co_firstlineno))
+        self.frame_ids[key] = fid
+        return fid
+
+    def raw_frame(self, code: CodeType, lasti: int, line: int) -> int:
+        key = (id(code), lasti)
+        fid = self.frame_ids.get(key)
+        if fid is None:
+            self.code_refs[key[0]] = code
+            name = _code_name(code)
+            fid = len(self.frames)
+            self.frames.append(Frame(name, code.co_filename, line))
+            self.frame_ids[key] = fid
+        return fid
+
+    def stack_of(self, key: tuple[int, ...]) -> int:
+        sid = self.stack_ids.get(key)
+        if sid is None:
+            sid = self.add_stack(key)
+        return sid
+
+    def add_stack(self, key: tuple[int, ...]) -> int:
+        frames = self.frames
+        sid = len(self.stacks)
+        self.stacks.append(tuple(frames[i] for i in key))
+        self.stack_ids[key] = sid
+        return sid
+
+    def __len__(self) -> int:
+        return len(self.stacks) + len(self.frames)
+
+
+@dataclass
+class Window:
+    """Samples of one upload interval: weight (ns) per ``(stack id, labels)``.
+
+    ``stack(sid)`` resolves a stack id to its frames, leaf first.
+    """
+
+    start_ns: int
+    tables: _Tables
+    values: dict[tuple[int, LabelSet], int] = field(default_factory=dict)
+    end_ns: int = 0
+
+    def stack(self, sid: int) -> tuple[Frame, ...]:
+        """The frames of stack ``sid``, leaf first."""
+        return self.tables.stacks[sid]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+class _ThreadState:
+    """What the handler knows about one non-main thread (handler-owned)."""
+
+    __slots__ = (
+        "clock",
+        "job_frames",
+        "job_labels",
+        "last",
+        "last_labels",
+        "last_stack",
+        "last_tick",
+        "last_top_lasti",
+        "tables",
+        "thread",
+        "waiting_in",
+    )
+
+    def __init__(self, thread: object, clock: int, last: int) -> None:
+        self.thread = thread
+        self.clock = clock
+        self.last = last
+        # The stack this thread was last seen running, under which labels, at which tick.
+        self.last_stack = -1
+        self.last_labels: LabelSet | None = None
+        self.last_tick = -1
+        self.tables: _Tables | None = None
+        # The blocking frame it waited in at the last look (same object: it never left it), and
+        # in wall mode the waiting leaf whose stack is last_stack.
+        self.waiting_in: FrameType | None = None
+        self.last_top_lasti: tuple[FrameType, int] | None = None
+        # Where the current labelled job started (see Sampler.set_thread_labels).
+        self.job_frames: _RawStack | None = None
+        self.job_labels: LabelSet | None = None
+
+
+class _PerThread(threading.local):
+    ready: bool = False
+    clock: int = 0
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[int, ...], _RawStack] = {}
+
+
+def _percentile(sorted_values: list[int], q: float) -> int:
+    if not sorted_values:
+        return 0
+    index = min(len(sorted_values) - 1, round(q * (len(sorted_values) - 1)))
+    return sorted_values[index]
+
+
+class Sampler:
+    """Signal-driven sampler of every thread's stack and labels (see the module docstring).
+
+    Arguments:
+        sample_rate: timer ticks per second of process CPU (``clock="cpu"``) or of wall time.
+        clock: ``"cpu"`` (``SIGPROF``/``ITIMER_PROF``, on-CPU samples weighted by each thread's
+            CPU time) or ``"wall"`` (``SIGALRM``/``ITIMER_REAL``, every thread weighted by wall
+            time, waiting included).
+
+    ``start`` and ``stop`` must run in the main thread. ``set_thread_labels`` is the label
+    engine's hook; ``take_window`` hands the samples collected so far to an exporter thread.
+    """
+
+    def __init__(self, *, sample_rate: int = 100, clock: str = "cpu") -> None:
+        self.signum, self.timer = signal_for(clock)
+        if not 1 <= sample_rate <= 1000:
+            raise ValueError(f"sample_rate: expected 1..1000 per second, got {sample_rate}")
+        self.clock = clock
+        self.sample_rate = sample_rate
+        self.interval = 1.0 / sample_rate
+        self._wall = clock == "wall"
+        self._running = False
+        self._busy = False
+        self._previous_handler: Any = signal.SIG_DFL
+        self._main_ident = 0
+        self._main_last = 0
+        self._main_sample: tuple[int, LabelSet, _Tables, int] | None = None
+        self._blocking: dict[int, CodeType] = {}
+        self._main_idle: dict[int, CodeType] = {}
+        self._window = Window(time.time_ns(), _Tables())
+        self._states: dict[int, _ThreadState] = {}
+        self._labels: dict[int, LabelSet] = {}
+        # Per thread, bumped before and after each label change (see _sample_threads).
+        self._versions: dict[int, int] = {}
+        # Bounded in case the main thread cannot run the handler for a long while.
+        self._boundaries: collections.deque[
+            tuple[int, int, int, LabelSet, LabelSet, _RawStack | None]
+        ] = collections.deque(maxlen=65536)
+        self._local = _PerThread()
+        self._random = random.Random()
+        # Linux checks CPU timers on scheduler ticks (4 ms at HZ=250): an interval that short is
+        # already quantised to whole ticks, and jittering it would only lower the rate.
+        self._jitter = clock == "wall" or self.interval >= 0.008
+        self._entries: dict[int, tuple[_RawStack, int, _Tables]] = {}
+        # Wall and CPU time of the last handler runs: how long the main thread was held up.
+        self._stalls = [0] * _STALL_RING
+        self._stall_cpu = [0] * _STALL_RING
+        self._stall_count = 0
+        self._stall_max = 0
+        self.ticks = 0
+        self.handler_cpu_ns = 0
+        self.samples = 0
+        self.reentered = 0
+        self.inconsistent = 0
+        self.errors = 0
+        self.last_error: BaseException | None = None
+        # Where CPU went, in nanoseconds: samples of running stacks; CPU of threads seen
+        # waiting, booked on their previous sample or their callers; worker CPU booked at
+        # label changes; and what was dropped because no stack could be named for it.
+        self.sampled_ns = 0
+        self.max_weight_ns = 0
+        self.carried_ns = 0
+        self.carried_main_ns = 0
+        self.boundary_ns = 0
+        self.idle_ns = 0
+        self.unsampled_ns = 0
+
+    # --- lifecycle (main thread) ----------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether the timer is armed."""
+        return self._running
+
+    def start(self) -> None:
+        """Install the signal handler and arm the timer.
+
+        Raises ``SamplerUnavailable`` when this thread/process cannot be sampled exactly and
+        ``SignalInUse`` when the signal already has another handler or the timer is armed.
+        """
+        if self._running:
+            return
+        reason = unavailable_reason()
+        if reason is not None:
+            raise SamplerUnavailable(reason)
+        name = signal.Signals(self.signum).name
+        current = signal.getsignal(self.signum)
+        if not (current == signal.SIG_DFL or _is_sampler_handler(current)):
+            raise SignalInUse(
+                f"spanprof's exact profiler needs {name} (clock={self.clock!r}), but {name} "
+                f"already has a handler ({current!r}); another profiler or library uses it. "
+                "Remove that handler, or use SPANPROF_PROFILER=pyroscope"
+            )
+        if signal.getitimer(self.timer) != (0.0, 0.0):
+            raise SignalInUse(
+                f"spanprof's exact profiler needs the {name} interval timer, but it is already "
+                "armed by someone else; use SPANPROF_PROFILER=pyroscope"
+            )
+        self._main_ident = threading.get_ident()
+        # A restart begins like the label engine's install: every thread from empty labels.
+        self._labels.clear()
+        self._versions.clear()
+        self._boundaries.clear()
+        self._states.clear()
+        self._main_sample = None
+        self._blocking = _blocking_codes()
+        self._main_idle = dict(self._blocking)
+        driver = _loop_driver_code(sys._getframe(1))
+        if driver is not None and not _is_python_loop_running():
+            self._main_idle[id(driver)] = driver
+        self._main_last = self._now_main()
+        self._previous_handler = signal.SIG_DFL if _is_sampler_handler(current) else current
+        signal.signal(self.signum, self._on_signal)
+        self._running = True
+        # Re-armed with a random interval after each tick; the period is a fallback.
+        signal.setitimer(self.timer, self.interval, self.interval)
+
+    def stop(self) -> None:
+        """Disarm the timer and restore the previous handler (when called in the main thread)."""
+        if not self._running:
+            return
+        self._running = False
+        signal.setitimer(self.timer, 0.0, 0.0)
+        # Label changes since the last tick still belong in the last window.
+        self._busy = True
+        try:
+            self._drain_boundaries(self._window)
+        finally:
+            self._busy = False
+        if threading.current_thread() is threading.main_thread():
+            # SIG_IGN first discards a signal generated before the timer was disarmed, which the
+            # default action (terminate) would otherwise turn into a crash.
+            signal.signal(self.signum, signal.SIG_IGN)
+            signal.signal(self.signum, self._previous_handler)
+
+    # --- the label engine's hook (any thread) ---------------------------------------------------
+
+    def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
+        """Record the calling thread's labels; book its CPU since the last tick to ``previous``.
+
+        The main thread is skipped: its labels are read from its context at sample time.
+        """
+        ident = threading.get_ident()
+        if ident == self._main_ident:
+            return
+        local = self._local
+        if not local.ready:
+            self._prepare_thread(local)
+        now = time.perf_counter_ns() if self._wall else time.thread_time_ns()
+        entry = _job_entry(sys._getframe(1), local.entries) if current else None
+        # Odd while changing: a tick that looked at this thread meanwhile discards what it saw.
+        versions = self._versions
+        version = versions.get(ident, 0)
+        versions[ident] = version + 1
+        self._boundaries.append((ident, local.clock, now, previous, current, entry))
+        if current:
+            self._labels[ident] = current
+        else:
+            self._labels.pop(ident, None)
+        versions[ident] = version + 2
+
+    def _prepare_thread(self, local: _PerThread) -> None:
+        # The timer's signal goes to any thread that does not block it; blocked here, it goes
+        # to the main thread, waking an idle event loop (EINTR) to take the sample at once
+        # instead of whenever the loop next wakes, and sparing this thread's system calls.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})
+        local.clock = thread_cpu_clock(threading.get_native_id())
+        local.ready = True
+
+    # --- the exporter's side (another thread) ---------------------------------------------------
+
+    def take_window(self) -> Window:
+        """Swap in a new window and return the finished one (no handler writes it any more)."""
+        old = self._window
+        tables = old.tables if len(old.tables) < MAX_TABLE_SIZE else _Tables()
+        self._window = Window(time.time_ns(), tables)
+        # A handler that read the old window before the swap may still be adding to it (it can
+        # be preempted mid-tick); it finishes within microseconds once it gets the GIL back.
+        deadline = time.monotonic() + 1.0
+        while self._busy and time.monotonic() < deadline:
+            time.sleep(0.0002)
+        old.end_ns = time.time_ns()
+        return old
+
+    def stats(self) -> dict[str, float]:
+        """Counters, where CPU was booked (ms) and handler-stall percentiles (µs) since start."""
+        count = min(self._stall_count, _STALL_RING)
+        stalls = sorted(self._stalls[:count])
+        stalls_cpu = sorted(self._stall_cpu[:count])
+        return {
+            "ticks": self.ticks,
+            "samples": self.samples,
+            "reentered": self.reentered,
+            "inconsistent": self.inconsistent,
+            "errors": self.errors,
+            "sampled_ms": self.sampled_ns / 1e6,
+            "max_sample_ms": self.max_weight_ns / 1e6,
+            "carried_ms": self.carried_ns / 1e6,
+            "carried_main_ms": self.carried_main_ns / 1e6,
+            "boundary_ms": self.boundary_ns / 1e6,
+            "idle_dropped_ms": self.idle_ns / 1e6,
+            "unsampled_ms": self.unsampled_ns / 1e6,
+            "stall_p50_us": _percentile(stalls, 0.50) / 1e3,
+            "stall_p99_us": _percentile(stalls, 0.99) / 1e3,
+            "stall_max_us": self._stall_max / 1e3,
+            "stall_cpu_p99_us": _percentile(stalls_cpu, 0.99) / 1e3,
+            "handler_cpu_ms": self.handler_cpu_ns / 1e6,
+        }
+
+    # --- the signal handler (main thread) -------------------------------------------------------
+
+    def _now_main(self) -> int:
+        return time.perf_counter_ns() if self._wall else time.thread_time_ns()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._busy or not self._running:
+            # A tick that arrives while the previous one runs (handlers can nest) is skipped.
+            if self._running:
+                self.reentered += 1
+            return
+        self._busy = True
+        started = time.perf_counter_ns()
+        cpu_started = time.thread_time_ns()
+        # A collection triggered by the tick's few allocations would be the application's
+        # (its next allocation starts it anyway) but would stall it here, mid-bytecode; and
+        # sys._current_frames() must not run one (see _sample_threads).
+        collecting = gc.isenabled()
+        if collecting:
+            gc.disable()
+        try:
+            self._tick(frame, cpu_started)
+        except Exception as exc:  # never raise into the interrupted application code
+            self.errors += 1
+            self.last_error = exc
+        finally:
+            if collecting:
+                gc.enable()
+            cpu_ended = time.thread_time_ns()
+            if not self._wall:
+                # The handler's own CPU is nobody's sample.
+                self._main_last = cpu_ended
+            if self._jitter and self._running:
+                # A fixed period can lock onto a periodic workload (a round robin of equal
+                # steps) and keep sampling the same few phases of it: draw each next interval.
+                signal.setitimer(self.timer, self.interval * self._random.uniform(0.5, 1.5))
+            self._busy = False
+            stall = time.perf_counter_ns() - started
+            slot = self._stall_count % _STALL_RING
+            self._stalls[slot] = stall
+            self._stall_cpu[slot] = cpu_ended - cpu_started
+            self.handler_cpu_ns += cpu_ended - cpu_started
+            self._stall_count += 1
+            if stall > self._stall_max:
+                self._stall_max = stall
+
+    def _tick(self, frame: FrameType | None, cpu_now: int) -> None:
+        self.ticks += 1
+        tick = self.ticks
+        window = self._window
+        tables = window.tables
+        wall = self._wall
+        now = time.perf_counter_ns() if wall else cpu_now
+        others = self._drain_boundaries(window) if self._boundaries else 0
+        others += self._sample_threads(window, tick, now)
+        # The main thread: its own frame and the labels of the context it is running.
+        delta = now - self._main_last
+        if wall:
+            self._main_last = now
+        if delta <= 0 or frame is None:
+            return
+        if wall:
+            self._main_sample = self._sample_main(window, frame, tick, delta)
+            return
+        last = self._main_sample
+        if id(frame.f_code) in self._main_idle:
+            # Idle now: what it used since the last tick ran before it went idle.
+            if last is not None and last[3] == tick - 1 and last[2] is tables:
+                self._book(window, last[0], last[1], delta)
+                self.carried_main_ns += delta
+            else:
+                self.idle_ns += delta
+        elif others > delta and last is not None and last[3] == tick - 1 and last[2] is tables:
+            # Other threads ran most of this interval, so the timer most likely expired while
+            # one of them held the GIL, and the main thread is only resuming where that thread
+            # preempted it: a point the GIL's switch interval ties to what the other thread
+            # does, not a random one. Its CPU goes to its previous sample, taken while it ran.
+            self._book(window, last[0], last[1], delta)
+            self.carried_main_ns += delta
+        else:
+            self._main_sample = self._sample_main(window, frame, tick, delta)
+
+    def _sample_main(
+        self, window: Window, frame: FrameType, tick: int, delta: int
+    ) -> tuple[int, LabelSet, _Tables, int]:
+        # The handler runs in the interrupted code's context: these are the running task's
+        # (or callback's) labels, read at the same instant as its stack.
+        labels = LABELS.get()
+        sid = self._stack_id(window.tables, frame)
+        self._add(window, sid, labels, delta)
+        return (sid, labels, window.tables, tick)
+
+    def _sample_threads(self, window: Window, tick: int, wall_now: int) -> int:
+        """Sample every other thread; return the CPU they used since the last tick."""
+        tables = window.tables
+        wall = self._wall
+        # CPython < 3.11.9 / 3.12.3 (gh-106883): a collection started while
+        # sys._current_frames() holds the runtime's thread-list lock can free a threading.local,
+        # whose cleanup takes that lock again: a self-deadlock. The caller keeps the collector
+        # off for the whole tick.
+        # The handler can lose the GIL halfway through (another thread's forced switch), and a
+        # worker may then finish its job and drop its labels before we read them: its frames,
+        # read before, would get the wrong labels. A thread whose label version moved between
+        # this copy and the read of its labels is left for the next tick.
+        versions = self._versions
+        versions_before = versions.copy()
+        frames = sys._current_frames()
+        states = self._states
+        main_ident = self._main_ident
+        labels_of = self._labels
+        blocking = self._blocking
+        # threading.enumerate() takes a lock the interrupted main thread may hold: read the
+        # registry itself (a dict lookup is atomic under the GIL).
+        active: dict[int, threading.Thread] = getattr(threading, "_active", {})
+        used = 0
+        for ident, top in frames.items():
+            if ident == main_ident:
+                continue
+            state = states.get(ident)
+            if state is None or active.get(ident) is not state.thread:
+                states[ident] = self._new_state(ident, wall_now)
+                continue
+            if top is state.waiting_in:
+                # Still inside the same blocking call as at the last look: no CPU to read.
+                if not wall:
+                    continue
+                now = wall_now
+            elif wall:
+                now = wall_now
+            else:
+                try:
+                    now = time.clock_gettime_ns(state.clock)
+                except OSError:  # the TID behind this ident exited: a new thread reuses it
+                    states[ident] = self._new_state(ident, wall_now)
+                    continue
+            delta = now - state.last
+            if delta <= 0:
+                continue
+            labels = labels_of.get(ident, EMPTY)
+            version = versions.get(ident, 0)
+            if version != versions_before.get(ident, 0) or version & 1:
+                self.inconsistent += 1
+                continue
+            state.last = now
+            used += delta
+            is_waiting = id(top.f_code) in blocking
+            state.waiting_in = top if is_waiting else None
+            if wall or not is_waiting:
+                if wall and is_waiting and state.last_top_lasti == (top, top.f_lasti):
+                    sid = state.last_stack
+                else:
+                    sid = self._stack_id(tables, top)
+                    state.last_top_lasti = (top, top.f_lasti) if is_waiting else None
+                self._add(window, sid, labels, delta)
+                state.last_stack = sid
+                state.last_labels = labels
+                state.last_tick = tick
+                state.tables = tables
+                continue
+            # Waiting now, but it used CPU since the last look: book it where it most likely ran.
+            if (
+                state.last_tick == tick - 1
+                and state.last_labels is labels
+                and state.tables is tables
+            ):
+                sid = state.last_stack
+            else:
+                sid = self._stack_id(tables, _callers_of_wait(top))
+            self._book(window, sid, labels, delta)
+            self.carried_ns += delta
+        if tick % _PRUNE_EVERY == 0:
+            for ident in [i for i in states if i not in frames]:
+                del states[ident]
+        return used
+
+    def _new_state(self, ident: int, wall_now: int) -> _ThreadState:
+        thread = _active_thread(ident)
+        if self._wall:
+            return _ThreadState(thread, 0, wall_now)
+        native_id = getattr(thread, "native_id", None)
+        if native_id is None:
+            # Not a threading.Thread (or not started): no TID, so no CPU clock to weigh it by.
+            return _ThreadState(thread, 0, 1 << 62)
+        clock = thread_cpu_clock(native_id)
+        try:
+            last = time.clock_gettime_ns(clock)
+        except OSError:
+            last = 1 << 62
+        return _ThreadState(thread, clock, last)
+
+    def _drain_boundaries(self, window: Window) -> int:
+        # A worker thread's labels changed at clock value `at`: what it used since the last tick
+        # belongs to the labels it had, on the stack it was last seen running under them, else
+        # on the entry of the job that had them.
+        states = self._states
+        tables = window.tables
+        values = window.values
+        boundaries = self._boundaries
+        cpu = not self._wall
+        booked = dropped = 0
+        while boundaries:  # the handler is the only consumer
+            ident, clock, at, previous, current, entry = boundaries.popleft()
+            state = states.get(ident)
+            if state is None or (cpu and state.clock != clock):
+                state = states[ident] = _ThreadState(_active_thread(ident), clock, at)
+            residual = at - state.last
+            if residual > 0:
+                state.last = at
+                if state.last_labels is previous and state.tables is tables:
+                    sid = state.last_stack
+                elif state.job_labels is previous and state.job_frames is not None:
+                    sid = self._entry_stack_id(tables, state.job_frames)
+                else:
+                    sid = -1
+                if sid >= 0:
+                    key = (sid, previous)
+                    values[key] = values.get(key, 0) + residual
+                    booked += residual
+                else:
+                    dropped += residual
+            state.last_stack = -1
+            state.last_labels = None
+            state.job_frames = entry
+            state.job_labels = current
+        self.boundary_ns += booked
+        self.unsampled_ns += dropped
+        return booked + dropped
+
+    def _add(self, window: Window, sid: int, labels: LabelSet, weight: int) -> None:
+        key = (sid, labels)
+        values = window.values
+        values[key] = values.get(key, 0) + weight
+        self.samples += 1
+        self.sampled_ns += weight
+        if weight > self.max_weight_ns:
+            self.max_weight_ns = weight
+
+    @staticmethod
+    def _book(window: Window, sid: int, labels: LabelSet, weight: int) -> None:
+        key = (sid, labels)
+        values = window.values
+        values[key] = values.get(key, 0) + weight
+
+    def _stack_id(self, tables: _Tables, frame: FrameType | None) -> int:
+        ids: list[int] = []
+        append = ids.append
+        get = tables.frame_ids.get
+        depth = 0
+        while frame is not None and depth < MAX_DEPTH:
+            key = (id(frame.f_code), frame.f_lasti)
+            fid = get(key)
+            if fid is None:
+                fid = tables.add_frame(key, frame)
+            append(fid)
+            frame = frame.f_back
+            depth += 1
+        return tables.stack_of(tuple(ids))
+
+    def _entry_stack_id(self, tables: _Tables, raw: _RawStack) -> int:
+        # Keyed by identity: _job_entry returns the same tuple for the same stack, and hashing
+        # its code objects would cost more than interning them.
+        hit = self._entries.get(id(raw))
+        if hit is not None and hit[0] is raw and hit[2] is tables:
+            return hit[1]
+        sid = tables.stack_of(tuple(tables.raw_frame(c, lasti, line) for c, lasti, line in raw))
+        if len(self._entries) >= 4096:
+            self._entries.clear()
+        self._entries[id(raw)] = (raw, sid, tables)
+        return sid
+
+
+def _job_entry(frame: FrameType | None, cache: dict[tuple[int, ...], _RawStack]) -> _RawStack:
+    """Where a labelled job starts on this thread: its function on top of the pool's frames.
+
+    ``frame`` is the engine's frame that pushed the labels; spanprof's own frames are skipped.
+    When the engine runs a job (``run_labelled``), the job's function becomes the leaf. A pool
+    thread starts the same kinds of job from the same place over and over: ``cache`` (per
+    thread) hands back the same tuple for the same stack, so the handler interns it once.
+    """
+    fn_code: CodeType | None = None
+    probe = frame
+    depth = 0
+    while probe is not None and depth < 6:
+        if probe.f_code is _RUN_LABELLED:
+            fn: Any = probe.f_locals.get("fn")
+            while isinstance(fn, functools.partial):
+                fn = fn.func
+            code = getattr(fn, "__code__", None)
+            fn_code = code if isinstance(code, CodeType) else None
+            frame = probe
+            break
+        probe = probe.f_back
+        depth += 1
+    else:
+        # Labels pushed by other code (a labels block on this thread): start at that code.
+        while frame is not None and str(frame.f_globals.get("__name__", "")).startswith(
+            "spanprof."
+        ):
+            frame = frame.f_back
+    key: list[int] = [id(fn_code)]
+    current = frame
+    depth = 0
+    while current is not None and depth < MAX_DEPTH:
+        key += (id(current.f_code), current.f_lasti)
+        current = current.f_back
+        depth += 1
+    cache_key = tuple(key)
+    raw = cache.get(cache_key)
+    if raw is not None:
+        return raw
+    entries: list[tuple[CodeType, int, int]] = []
+    if fn_code is not None:
+        entries.append((fn_code, -1, fn_code.co_firstlineno))
+    depth = 0
+    while frame is not None and depth < MAX_DEPTH:
+        code = frame.f_code
+        entries.append((code, frame.f_lasti, frame.f_lineno or code.co_firstlineno))
+        frame = frame.f_back
+        depth += 1
+    if len(cache) >= 256:
+        cache.clear()
+    raw = cache[cache_key] = tuple(entries)
+    return raw
+
+
+def _callers_of_wait(frame: FrameType) -> FrameType | None:
+    """The first frame below a blocked thread's waiting machinery (its own code)."""
+    current: FrameType | None = frame
+    while current is not None and current.f_globals.get("__name__") in _WAIT_MODULES:
+        current = current.f_back
+    return current if current is not None else frame
+
+
+def _active_thread(ident: int) -> threading.Thread | None:
+    # Not threading.enumerate(): see Sampler._tick.
+    active: dict[int, threading.Thread] = getattr(threading, "_active", {})
+    return active.get(ident)
+
+
+def _is_sampler_handler(handler: object) -> bool:
+    return isinstance(getattr(handler, "__self__", None), Sampler)
+
+
+def _is_python_loop_running() -> bool:
+    import asyncio
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return isinstance(loop, asyncio.BaseEventLoop)

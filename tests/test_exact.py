@@ -1,0 +1,792 @@
+"""The exact profiler: its sampler, its uploader and its backend, against real servers."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import http.client
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+import spanprof
+from spanprof._engine import run_labelled
+from spanprof._exact import ExactBackend, profiler_from_env
+from spanprof._labelset import EMPTY, LabelSet
+from spanprof._pprof import decode_profile
+from spanprof._pusher import Pusher, WindowEncoder, series_labels
+from spanprof._pyroscope import PyroscopeBackend
+from spanprof._receiver import PushReceiver
+from spanprof._runtime import ProfilerRuntime
+from spanprof._sampler import (
+    Sampler,
+    SamplerUnavailable,
+    SignalInUse,
+    Window,
+    _Tables,
+)
+from spanprof._scope import labels_scope
+
+from .conftest import require, run_on
+from .e2e.markers import MARKERS, marker_index
+from .e2e.server import ROOT, free_port
+
+LINUX = sys.platform.startswith("linux")
+
+
+def _labels(index: int) -> LabelSet:
+    return LabelSet(
+        {
+            "span_id": f"{index + 1:016x}",
+            "trace_id": f"{index + 1:032x}",
+            "span_name": "GET /work/{index}",
+        }
+    )
+
+
+@pytest.fixture
+def sampler() -> Iterator[Sampler]:
+    """A CPU-clock sampler at the highest rate Linux delivers, stopped afterwards."""
+    require(LINUX, "the exact sampler needs Linux thread CPU clocks")
+    instance = Sampler(sample_rate=250)
+    try:
+        yield instance
+    finally:
+        instance.stop()
+
+
+def _by_marker(window: Window) -> dict[int, dict[LabelSet, int]]:
+    """Weight per marker index per label set, from every stack that runs a marker."""
+    out: dict[int, dict[LabelSet, int]] = {}
+    for (sid, labels), value in window.values.items():
+        index = marker_index([frame.function for frame in window.stack(sid)])
+        if index is not None:
+            per = out.setdefault(index, {})
+            per[labels] = per.get(labels, 0) + value
+    return out
+
+
+# --- the sampler ---------------------------------------------------------------------------------
+
+
+@pytest.mark.engine
+def test_sampler_reads_the_running_tasks_labels_at_sample_time(
+    sampler: Sampler, loop_kind: str
+) -> None:
+    """Tasks switching every 0.2 ms get their own labels on every sample, with no engine."""
+    assert spanprof.installed_backend() is None
+
+    used: list[float] = []
+
+    async def request(index: int) -> None:
+        with labels_scope(_labels(index)):
+            for _ in range(800):
+                MARKERS[index](0.0002)
+                await asyncio.sleep(0)
+
+    async def main() -> None:
+        sampler.start()
+        started = time.thread_time()
+        await asyncio.gather(*(request(i) for i in range(3)))
+        used.append(time.thread_time() - started)
+        sampler.stop()
+
+    run_on(loop_kind, main)
+    by_marker = _by_marker(sampler.take_window())
+    stats = sampler.stats()
+    # Every task was sampled, and every sample of its code carries its labels and no other.
+    assert sorted(by_marker) == [0, 1, 2], stats
+    for index, per_labels in by_marker.items():
+        assert list(per_labels) == [_labels(index)], per_labels
+    # Weighed by the main thread's CPU: the samples add up to what the tasks used (how it
+    # splits between three equal tasks depends on a few dozen ticks, more so on a busy machine).
+    total = sum(sum(per_labels.values()) for per_labels in by_marker.values())
+    assert total / 1e9 == pytest.approx(used[0], rel=0.25), stats
+    assert sampler.stats()["errors"] == 0
+
+
+@pytest.mark.engine
+def test_sampler_weighs_each_thread_by_its_own_cpu(sampler: Sampler) -> None:
+    """A worker's and the main thread's samples add up to the CPU each of them used."""
+    used: dict[str, float] = {}
+
+    def worker() -> None:
+        sampler.set_thread_labels(EMPTY, _labels(1))
+        started = time.thread_time()
+        for _ in range(15):
+            MARKERS[1](0.02)
+            time.sleep(0.001)
+        used["worker"] = time.thread_time() - started
+        sampler.set_thread_labels(_labels(1), EMPTY)
+
+    sampler.start()
+    thread = threading.Thread(target=worker)
+    thread.start()
+    started = time.thread_time()
+    with labels_scope(_labels(0)):
+        while thread.is_alive():
+            MARKERS[0](0.002)
+    used["main"] = time.thread_time() - started
+    thread.join()
+    sampler.stop()
+    window = sampler.take_window()
+    by_marker = _by_marker(window)
+    assert list(by_marker[0]) == [_labels(0)]
+    assert list(by_marker[1]) == [_labels(1)]
+    by_labels: dict[LabelSet, int] = {}
+    for (_sid, labels), value in window.values.items():
+        by_labels[labels] = by_labels.get(labels, 0) + value
+    # The worker gives the GIL up only when it sleeps, so some of its samples show it there
+    # rather than in its marker; under its own labels, all of its CPU is counted.
+    assert by_labels[_labels(1)] / 1e9 == pytest.approx(used["worker"], rel=0.1)
+    assert by_labels[_labels(0)] / 1e9 == pytest.approx(used["main"], rel=0.2)
+
+
+class _SamplerBackend:
+    """The label engine feeding a bare sampler (what ExactBackend does once started)."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def start(self) -> None:
+        self.sampler.start()
+
+    def shutdown(self) -> None:
+        self.sampler.stop()
+
+    def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
+        self.sampler.set_thread_labels(previous, current)
+
+
+@pytest.mark.engine
+def test_short_pool_jobs_are_booked_to_their_labels_and_function(sampler: Sampler) -> None:
+    """Jobs shorter than a tick still count, in full, under their labels and function."""
+    spanprof.install_label_engine(_SamplerBackend(sampler))
+    try:
+        sampler.start()
+
+        def pool() -> None:
+            for n in range(400):
+                run_labelled(_labels(n % 4), MARKERS[n % 4], 0.0007)
+
+        thread = threading.Thread(target=pool)
+        thread.start()
+        thread.join()
+        sampler.stop()
+    finally:
+        spanprof.uninstall_label_engine()
+    window = sampler.take_window()
+    by_marker = _by_marker(window)
+    for index in range(4):
+        assert list(by_marker[index]) == [_labels(index)]
+        # 100 jobs of 0.7 ms each.
+        assert sum(by_marker[index].values()) / 1e9 == pytest.approx(0.07, rel=0.1)
+    leaves = {window.stack(sid)[0].function for (sid, _labels_), _v in window.values.items()}
+    assert {f"burn_request_0{i}" for i in range(4)} <= leaves
+
+
+@pytest.mark.engine
+def test_waiting_threads_are_never_sampled_as_running(sampler: Sampler) -> None:
+    """Threads blocked in a wait show no samples with the wait as their leaf."""
+    stop = threading.Event()
+
+    def bursty() -> None:
+        while not stop.is_set():
+            MARKERS[5](0.001)
+            stop.wait(0.003)
+
+    threads = [threading.Thread(target=stop.wait), threading.Thread(target=bursty)]
+    for thread in threads:
+        thread.start()
+    sampler.start()
+    MARKERS[0](0.4)
+    sampler.stop()
+    stop.set()
+    for thread in threads:
+        thread.join()
+    window = sampler.take_window()
+    leaves = {window.stack(sid)[0].function for (sid, _labels_), _v in window.values.items()}
+    assert "Condition.wait" not in leaves
+    assert "wait" not in leaves
+    assert 5 in _by_marker(window) or any("bursty" in leaf for leaf in leaves)
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(60, method="thread")  # the wall clock uses SIGALRM, pytest-timeout's signal
+def test_wall_clock_counts_waiting_threads(sampler: Sampler) -> None:
+    """With clock="wall" a thread waiting 0.3 s shows about 0.3 s in its wait."""
+    wall = Sampler(sample_rate=200, clock="wall")
+    release = threading.Event()
+    waiter = threading.Thread(target=release.wait, name="waiter")
+    waiter.start()
+    wall.start()
+    try:
+        time.sleep(0.3)
+    finally:
+        wall.stop()
+        release.set()
+        waiter.join()
+    window = wall.take_window()
+    waited = sum(
+        value
+        for (sid, _labels_), value in window.values.items()
+        if window.stack(sid)[0].function in ("Condition.wait", "wait")
+    )
+    assert 0.15e9 < waited < 0.6e9
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+
+
+def test_start_refuses_a_signal_someone_else_handles(sampler: Sampler) -> None:
+    """With a SIGPROF handler installed, start() raises naming the signal and the way out."""
+
+    def theirs(signum: int, frame: Any) -> None:
+        return None
+
+    previous = signal.signal(signal.SIGPROF, theirs)
+    try:
+        with pytest.raises(SignalInUse, match=r"SIGPROF.*SPANPROF_PROFILER=pyroscope"):
+            sampler.start()
+        backend = ExactBackend(server_address="http://127.0.0.1:9", application_name="svc")
+        with pytest.raises(RuntimeError, match="SIGPROF"):
+            backend.start()
+        assert backend.mode == "stopped"
+        assert signal.getsignal(signal.SIGPROF) is theirs
+    finally:
+        signal.signal(signal.SIGPROF, previous)
+
+
+def test_start_refuses_an_armed_timer(sampler: Sampler) -> None:
+    """An ITIMER_PROF armed by someone else makes start() refuse instead of resetting it."""
+    signal.setitimer(signal.ITIMER_PROF, 300.0)
+    try:
+        with pytest.raises(SignalInUse, match="timer"):
+            sampler.start()
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0.0)
+
+
+def test_stop_restores_the_handler_and_disarms_the_timer(sampler: Sampler) -> None:
+    """After stop() SIGPROF is back to its default and ITIMER_PROF is disarmed."""
+    sampler.start()
+    assert signal.getsignal(signal.SIGPROF) != signal.SIG_DFL
+    MARKERS[0](0.05)
+    sampler.stop()
+    assert signal.getsignal(signal.SIGPROF) == signal.SIG_DFL
+    assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
+    assert sampler.stats()["ticks"] > 0
+
+
+def test_start_outside_the_main_thread_is_unavailable(sampler: Sampler) -> None:
+    """start() in another thread raises SamplerUnavailable naming that thread."""
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            sampler.start()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=start, name="loop-thread")
+    thread.start()
+    thread.join()
+    assert len(errors) == 1
+    assert isinstance(errors[0], SamplerUnavailable)
+    assert "loop-thread" in str(errors[0])
+
+
+def test_sampler_failures_never_reach_the_application(
+    sampler: Sampler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failing tick is counted and swallowed; the interrupted code runs on."""
+
+    def broken(*args: object) -> int:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(sampler, "_stack_id", broken)
+    sampler.start()
+    spins = MARKERS[0](0.1)
+    sampler.stop()
+    assert spins > 0
+    assert sampler.stats()["errors"] > 0
+    assert isinstance(sampler.last_error, RuntimeError)
+
+
+# --- the uploader --------------------------------------------------------------------------------
+
+
+class _Front:
+    """A real HTTP server in front of a PushReceiver: records requests, injects faults.
+
+    The first requests are answered with ``statuses`` (no body) instead of being forwarded.
+    """
+
+    def __init__(self, target: str, statuses: list[int] | None = None) -> None:
+        self.target = urlsplit(target)
+        self.statuses = list(statuses or [])
+        self.requests: list[tuple[float, dict[str, str]]] = []
+        self._lock = threading.Lock()
+        front = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return None
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status = front._record(dict(self.headers))
+                if status is None:
+                    status = front._forward(self.path, dict(self.headers), body)
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _record(self, headers: dict[str, str]) -> int | None:
+        with self._lock:
+            self.requests.append((time.monotonic(), headers))
+            return self.statuses.pop(0) if self.statuses else None
+
+    def _forward(self, path: str, headers: dict[str, str], body: bytes) -> int:
+        conn = http.client.HTTPConnection(self.target.hostname or "", self.target.port)
+        try:
+            conn.request("POST", path, body=body, headers=headers)
+            response = conn.getresponse()
+            response.read()
+            return response.status
+        finally:
+            conn.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def __enter__(self) -> _Front:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+def _leaf() -> None:
+    return None
+
+
+def _root() -> None:
+    return None
+
+
+def _window(labels: LabelSet, value: int = 10_000_000) -> Window:
+    """A one-sample window: ``_leaf`` called from ``_root``, under ``labels``."""
+    tables = _Tables()
+    sid = tables.stack_of(
+        tuple(tables.raw_frame(f.__code__, 0, f.__code__.co_firstlineno) for f in (_leaf, _root))
+    )
+    window = Window(time.time_ns(), tables)
+    window.values[(sid, labels)] = value
+    window.end_ns = window.start_ns + 1_000_000
+    return window
+
+
+def _windows(make: Callable[[int], Window]) -> Callable[[], Window]:
+    counter = iter(range(1_000_000))
+    return lambda: make(next(counter))
+
+
+def _pusher(url: str, **options: Any) -> Pusher:
+    defaults: dict[str, Any] = {
+        "server_address": url,
+        "labels": series_labels("svc", {"region": "eu"}),
+        "period_ns": 10_000_000,
+        "upload_interval": 60.0,
+        "backoff_initial": 0.05,
+        "backoff_max": 0.4,
+        "flush_timeout": 2.0,
+        "timeout": 2.0,
+    }
+    return Pusher(**{**defaults, **options})
+
+
+def test_pusher_sends_what_pyroscope_io_sends() -> None:
+    """Same path, headers, series labels and pprof shape as the agent; labels per sample."""
+    with PushReceiver() as receiver, _Front(receiver.url) as front:
+        pusher = _pusher(
+            front.url, tenant_id="team-a", basic_auth_username="u", basic_auth_password="p"
+        )
+        pusher.start(_windows(lambda n: _window(_labels(0), 30_000_000)))
+        pusher.stop()
+        pushes = receiver.received_pushes()
+    assert len(pushes) == 1
+    headers = {k.lower(): v for k, v in front.requests[0][1].items()}
+    assert headers["content-type"] == "application/proto"
+    assert headers["content-encoding"] == "gzip"
+    assert headers["authorization"] == "Basic dTpw"
+    assert headers["x-scope-orgid"] == "team-a"
+    assert headers["user-agent"].startswith("spanprof/")
+    (series,) = pushes[0].series
+    names = [name for name, _value in series.labels]
+    assert names[:3] == ["__name__", "region", "service_name"]
+    assert dict(series.labels)["__name__"] == "process_cpu"
+    assert dict(series.labels)["service_name"] == "svc"
+    assert dict(series.labels)["process.runtime.name"] == sys.implementation.name
+    (profile,) = series.profiles
+    assert profile.sample_types == (("cpu", "nanoseconds"),)
+    assert profile.period_type == ("cpu", "nanoseconds")
+    assert profile.period == 10_000_000
+    (sample,) = profile.samples
+    assert [frame.function for frame in sample.stack] == ["_leaf", "_root"]
+    assert sample.value == 30_000_000
+    assert dict(sample.labels) == dict(_labels(0))
+    assert pusher.stats()["uploads"] == 1
+
+
+def test_pusher_retries_with_growing_backoff_after_server_errors() -> None:
+    """Three 5xx answers are retried with doubling back-off, then the window arrives."""
+    with PushReceiver() as receiver, _Front(receiver.url, [500, 503, 502]) as front:
+        pusher = _pusher(front.url, upload_interval=0.1)
+        windows = iter([_window(_labels(0))])
+        pusher.start(lambda: next(windows, Window(time.time_ns(), _Tables())))
+        assert receiver.wait_for(lambda r: r.pushes >= 1, timeout=10)
+        pusher.stop()
+        stats = pusher.stats()
+    times = [at for at, _headers in front.requests]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+    assert len(times) == 4
+    # 0.05 s, then 0.1 s, then 0.2 s, each +-20%.
+    assert gaps[1] > gaps[0] * 1.3
+    assert gaps[2] > gaps[1] * 1.3
+    assert (stats["failures"], stats["retries"], stats["uploads"]) == (3, 3, 1)
+    assert stats["dropped"] == 0
+
+
+def test_pusher_does_not_retry_a_rejected_upload() -> None:
+    """A 4xx answer drops the window at once (counted), without retries."""
+    with PushReceiver() as receiver, _Front(receiver.url, [400]) as front:
+        pusher = _pusher(front.url)
+        pusher.start(_windows(lambda n: _window(_labels(0))))
+        pusher.stop()
+    assert len(front.requests) == 1
+    assert (pusher.stats()["rejected"], pusher.stats()["retries"]) == (1, 0)
+    assert receiver.pushes == 0
+
+
+def test_pusher_drops_the_oldest_windows_while_the_server_is_away() -> None:
+    """With the server down, at most max_pending windows wait; the newest arrive later."""
+    port = free_port()
+    pusher = _pusher(
+        f"http://127.0.0.1:{port}", upload_interval=0.05, max_pending=2, backoff_initial=0.3
+    )
+    pusher.start(_windows(lambda n: _window(LabelSet({"window": str(n)}))))
+    try:
+        deadline = time.monotonic() + 10
+        while pusher.stats()["dropped"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pusher.stats()["dropped"] >= 3
+        assert pusher.stats()["pending"] <= 2
+        with PushReceiver(port) as receiver:
+            assert receiver.wait_for(lambda r: r.pushes >= 2, timeout=10)
+            pusher.stop()
+            received = [int(s.label_values("window")[0]) for s in receiver.samples()]
+    finally:
+        pusher.stop()
+    stats = pusher.stats()
+    assert stats["failures"] >= 1
+    # Every window is either received or counted as dropped, and the oldest went first.
+    assert min(received) >= 2
+    assert sorted(received) == received
+
+
+def test_pusher_flushes_the_last_window_on_stop() -> None:
+    """stop() uploads what was collected since the last upload."""
+    with PushReceiver() as receiver:
+        pusher = _pusher(receiver.url, upload_interval=3600.0)
+        pusher.start(_windows(lambda n: _window(_labels(3))))
+        time.sleep(0.05)
+        assert receiver.pushes == 0
+        pusher.stop()
+        assert receiver.pushes == 1
+
+
+def test_stop_gives_up_after_the_flush_timeout_when_the_server_is_down() -> None:
+    """With nobody listening, stop() returns within its budget and counts the drop."""
+    pusher = _pusher(f"http://127.0.0.1:{free_port()}", flush_timeout=0.3, backoff_initial=0.1)
+    pusher.start(_windows(lambda n: _window(_labels(0))))
+    started = time.monotonic()
+    pusher.stop()
+    assert time.monotonic() - started < 2.0
+    assert pusher.stats()["dropped"] == 1
+    assert pusher.stats()["uploads"] == 0
+
+
+def test_window_encoding_steps_stay_short_and_lose_nothing() -> None:
+    """4,000 distinct deep samples encode in steps of < 2 ms CPU into several profiles."""
+    tables = _Tables()
+    codes = [fn.__code__ for fn in (_leaf, _root, _labels, _window, _windows, _pusher)]
+    window = Window(time.time_ns(), tables)
+    for n in range(4000):
+        key = tuple(
+            tables.raw_frame(codes[(n + depth) % len(codes)], depth * 2 + n % 7, depth + 1)
+            for depth in range(48)
+        )
+        window.values[(tables.stack_of(key), _labels(n))] = n + 1
+    window.end_ns = window.start_ns + 10_000_000_000
+    encoder = WindowEncoder(window, period_ns=10_000_000)
+    longest = 0
+    # A collection of the whole test process's heap can start in any step: that pause is
+    # sized by the heap, not by the encoding work measured here.
+    gc.disable()
+    try:
+        while not encoder.done:
+            started = time.thread_time_ns()
+            encoder.step()
+            longest = max(longest, time.thread_time_ns() - started)
+    finally:
+        gc.enable()
+    assert longest < 2_000_000
+    assert len(encoder.profiles) > 1
+    profiles = [decode_profile(raw) for raw in encoder.profiles]
+    assert sum(len(p.samples) for p in profiles) == 4000
+    assert sum(p.total() for p in profiles) == sum(range(1, 4001))
+    assert all(len(s.stack) == 48 for p in profiles for s in p.samples)
+    assert {s.label("span_id") for p in profiles for s in p.samples} == {
+        _labels(n)["span_id"] for n in range(4000)
+    }
+
+
+# --- the backend ---------------------------------------------------------------------------------
+
+
+def test_exact_backend_pushes_exact_labels_and_flushes_on_shutdown() -> None:
+    """Through the runtime: exact mode without step hooks, labelled samples, a final flush."""
+    require(LINUX, "the exact sampler needs Linux thread CPU clocks")
+    with PushReceiver() as receiver:
+        backend = ExactBackend(
+            server_address=receiver.url,
+            application_name="unit",
+            upload_interval=3600,
+            sample_rate=250,
+            tags={"region": "eu"},
+        )
+        runtime = ProfilerRuntime(backend)
+        runtime.start()
+        try:
+            assert (backend.mode, backend.needs_step_hooks) == ("exact", False)
+            assert spanprof.installed_backend() is backend
+            with labels_scope(_labels(7)):
+                MARKERS[7](0.2)
+        finally:
+            runtime.stop()
+        assert backend.mode == "stopped"
+        pushes = receiver.received_pushes()
+    assert len(pushes) == 1
+    assert pushes[0].user_agent.startswith("spanprof/")
+    samples = [s for s in receiver.samples() if s.has_function("burn_request_07")]
+    assert samples
+    assert all(dict(s.labels) == dict(_labels(7)) for s in samples)
+    assert {s.series_label("service_name") for s in samples} == {"unit"}
+    assert backend.stats()["uploads"] == 1
+
+
+_FALLBACK_SCRIPT = """
+import asyncio, logging, sys, threading
+import spanprof
+from spanprof._exact import ExactBackend
+from spanprof._runtime import ProfilerRuntime
+from spanprof._scope import labels_scope
+from spanprof._labelset import LabelSet
+from tests.e2e.markers import MARKERS
+
+logging.basicConfig(level=logging.WARNING)
+backend = ExactBackend(server_address=sys.argv[1], application_name="fallback", upload_interval=1)
+runtime = ProfilerRuntime(backend)
+
+async def serve():
+    runtime.start()
+    print("mode", backend.mode, backend.needs_step_hooks, flush=True)
+    with labels_scope(LabelSet({"span_id": "00000000000000aa"})):
+        MARKERS[9](1.2)
+    runtime.stop()
+
+thread = threading.Thread(target=asyncio.run, args=(serve(),), name="loop-thread")
+thread.start()
+thread.join()
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+def test_exact_backend_falls_back_to_pyroscope_outside_the_main_thread(tmp_path: Path) -> None:
+    """Started from a loop in another thread: a warning says why, pyroscope-io profiles."""
+    require(LINUX, "the exact sampler needs Linux thread CPU clocks")
+    script = tmp_path / "fallback.py"
+    script.write_text(textwrap.dedent(_FALLBACK_SCRIPT))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}"}
+    with PushReceiver() as receiver:
+        proc = subprocess.run(
+            [sys.executable, str(script), receiver.url],
+            capture_output=True,
+            text=True,
+            timeout=45,
+            env=env,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0, proc.stderr
+        pushes = receiver.received_pushes()
+        samples = [s for s in receiver.samples() if s.has_function("burn_request_09")]
+    assert "mode pyroscope True" in proc.stdout
+    assert "loop-thread" in proc.stderr
+    assert "Falling back to pyroscope-io" in proc.stderr
+    assert pushes
+    assert all(p.user_agent.startswith("pyroscope-rs") for p in pushes)
+    assert any(s.label_values("span_id") == ("00000000000000aa",) for s in samples)
+
+
+_FORK_SCRIPT = """
+import os, sys
+from spanprof._exact import ExactBackend
+from spanprof._runtime import ProfilerRuntime
+from spanprof._scope import labels_scope
+from spanprof._labelset import LabelSet
+from tests.e2e.markers import MARKERS
+
+backend = ExactBackend(
+    server_address=sys.argv[1], application_name="forked", upload_interval=3600, sample_rate=250
+)
+runtime = ProfilerRuntime(backend)
+runtime.start()
+with labels_scope(LabelSet({"span_id": "000000000000000a"})):
+    MARKERS[10](0.3)  # before the fork, in the parent
+pid = os.fork()
+if pid == 0:
+    runtime.ensure_started()
+    print("child", backend.mode, flush=True)
+    with labels_scope(LabelSet({"span_id": "000000000000000b"})):
+        MARKERS[11](0.3)
+    runtime.stop()
+    os._exit(0)
+with labels_scope(LabelSet({"span_id": "000000000000000c"})):
+    MARKERS[12](0.3)
+os.waitpid(pid, 0)
+runtime.stop()
+print("parent", backend.mode, flush=True)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+def test_exact_backend_starts_again_in_a_forked_child(tmp_path: Path) -> None:
+    """A forked worker samples and pushes on its own; the parent's window is not sent twice."""
+    require(LINUX, "the exact sampler needs Linux thread CPU clocks")
+    script = tmp_path / "fork.py"
+    script.write_text(textwrap.dedent(_FORK_SCRIPT))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}"}
+    with PushReceiver() as receiver:
+        proc = subprocess.run(
+            [sys.executable, "-W", "ignore::DeprecationWarning", str(script), receiver.url],
+            capture_output=True,
+            text=True,
+            timeout=45,
+            env=env,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0, proc.stderr
+        samples = receiver.samples()
+        pushes = receiver.pushes
+    assert "child exact" in proc.stdout
+    assert "parent stopped" in proc.stdout
+    assert pushes == 2
+
+    def weight(function: str, span_id: str) -> float:
+        return sum(
+            s.value / 1e9
+            for s in samples
+            if s.has_function(function) and s.label_values("span_id") == (span_id,)
+        )
+
+    assert weight("burn_request_10", "000000000000000a") == pytest.approx(0.3, rel=0.3)
+    assert weight("burn_request_11", "000000000000000b") == pytest.approx(0.3, rel=0.3)
+    assert weight("burn_request_12", "000000000000000c") == pytest.approx(0.3, rel=0.3)
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+_ENV = {
+    "PYROSCOPE_SERVER_ADDRESS": "http://pyroscope:4040/",
+    "OTEL_SERVICE_NAME": "checkout",
+    "PYROSCOPE_UPLOAD_INTERVAL": "15s",
+    "PYROSCOPE_SAMPLE_RATE": "97",
+    "PYROSCOPE_TENANT_ID": "team-a",
+    "PYROSCOPE_BASIC_AUTH_USER": "u",
+    "PYROSCOPE_BASIC_AUTH_PASSWORD": "p",
+    "PYROSCOPE_LABELS": "region=eu-west-1, zone = b",
+}
+
+
+def test_exact_backend_reads_the_same_variables_as_pyroscope() -> None:
+    """Every PYROSCOPE_* variable means the same for both backends; the clock is extra."""
+    exact = ExactBackend.from_env({**_ENV, "SPANPROF_PROFILE_CLOCK": "wall"})
+    agent = PyroscopeBackend.from_env(_ENV)
+    assert exact is not None
+    assert agent is not None
+    for name in (
+        "server_address",
+        "application_name",
+        "upload_interval",
+        "sample_rate",
+        "tenant_id",
+        "basic_auth_username",
+        "basic_auth_password",
+        "tags",
+    ):
+        assert getattr(exact, name) == getattr(agent, name), name
+    assert exact.clock == "wall"
+    assert ExactBackend.from_env({"OTEL_SERVICE_NAME": "x"}) is None
+
+
+@pytest.mark.parametrize(
+    ("environ", "variable"),
+    [
+        ({**_ENV, "SPANPROF_PROFILER": "perf"}, "SPANPROF_PROFILER"),
+        ({**_ENV, "SPANPROF_PROFILER": "exact", "SPANPROF_PROFILE_CLOCK": "gpu"}, "CLOCK"),
+        ({**_ENV, "SPANPROF_PROFILER": "exact", "PYROSCOPE_SAMPLE_RATE": "0"}, "SAMPLE_RATE"),
+    ],
+)
+def test_bad_profiler_settings_name_the_variable(environ: dict[str, str], variable: str) -> None:
+    """A bad value raises ValueError naming the variable."""
+    with pytest.raises(ValueError, match=variable):
+        profiler_from_env(environ)
+
+
+def test_profiler_from_env_selects_the_backend() -> None:
+    """pyroscope-io by default, the exact profiler with SPANPROF_PROFILER=exact."""
+    assert isinstance(profiler_from_env(_ENV), PyroscopeBackend)
+    assert isinstance(profiler_from_env({**_ENV, "SPANPROF_PROFILER": " Exact "}), ExactBackend)
+    assert isinstance(
+        profiler_from_env({**_ENV, "SPANPROF_PROFILER": "pyroscope"}), PyroscopeBackend
+    )
+    assert profiler_from_env({"SPANPROF_PROFILER": "exact"}) is None
