@@ -102,6 +102,8 @@ class ExactBackend:
         self._pusher: Pusher | None = None
         self._fallback: PyroscopeBackend | None = None
         self._sink = _ignore
+        # The thread whose labels the sampler reads itself (0: none, e.g. in fallback mode).
+        self._context_thread = 0
         self._atexit_registered = False
         self._last_stats: dict[str, float] = {}
 
@@ -177,6 +179,7 @@ class ExactBackend:
             # After a fork the parent's objects are here, but not its threads or timer.
             self._sampler = self._pusher = self._fallback = None
             self._sink = _ignore
+            self._context_thread = 0
             sampler = self._idle_sampler
             if sampler is None or self._idle_pid != pid:
                 sampler = Sampler(sample_rate=self.sample_rate, clock=self.clock)
@@ -211,6 +214,7 @@ class ExactBackend:
                 pusher.start(sampler.take_window)
                 self._sampler, self._pusher = sampler, pusher
                 self._sink = sampler.set_thread_labels
+                self._context_thread = threading.get_ident()
                 logger.debug("spanprof: exact profiler started (pid %d)", pid)
             self._pid = pid
             if not self._atexit_registered:
@@ -225,6 +229,7 @@ class ExactBackend:
                 return
             self._pid = None
             self._sink = _ignore
+            self._context_thread = 0
             sampler, pusher, fallback = self._sampler, self._pusher, self._fallback
             self._sampler = self._pusher = self._fallback = None
             if sampler is not None:
@@ -238,7 +243,10 @@ class ExactBackend:
 
     def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
         """The calling thread switched labels (thread-pool job start or end, mostly)."""
-        self._sink(previous, current)
+        # The sampler reads the main thread's labels from its context: skip its pushes here,
+        # before any further call (the middleware pushes twice per request).
+        if threading.get_ident() != self._context_thread:
+            self._sink(previous, current)
 
     def _pyroscope(self) -> PyroscopeBackend:
         return PyroscopeBackend(
