@@ -81,5 +81,7 @@ def test_exact_profiler_attributes_every_sample_to_its_request(loop: str, tmp_pa
     assert 0.85 <= sampled_total / 1e9 / measured_total <= 1.15
     for i in range(CONCURRENCY):
         share = result.per_request[i] / sampled_total
-        assert share == pytest.approx(measured[i] / measured_total, abs=0.03), (i, share)
+        # ~650 samples: a 8% share has ~1.1 points of binomial noise, and the worst of 16
+        # requests sits near 3 sigma (3.5 points seen once on 3.13), so 3 points flakes.
+        assert share == pytest.approx(measured[i] / measured_total, abs=0.05), (i, share)
     assert stats["max_export_step_us"] < 2000, stats
