@@ -1,56 +1,66 @@
-"""A loopback OTLP/HTTP receiver that decodes what the real OTLP exporters send."""
+"""Loopback HTTP servers: a recorder of POST requests, and an OTLP/HTTP receiver built on it."""
 
 from __future__ import annotations
 
 import gzip
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
 
 
-class OtlpReceiver:
-    """Collects ``ExportMetricsServiceRequest`` messages posted to ``/v1/metrics``."""
+class PostedRequest(NamedTuple):
+    """One POST as it arrived: ``at`` is its ``time.monotonic()``; header names lower-cased."""
+
+    at: float
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+_Server = TypeVar("_Server", bound="RecordingServer")
+
+
+class RecordingServer:
+    """A threaded HTTP/1.1 server on ``127.0.0.1`` that records every POST in ``requests``.
+
+    Each is answered with ``respond``'s status and an empty body. Use as a context manager.
+    """
 
     def __init__(self) -> None:
-        self.metrics: list[ExportMetricsServiceRequest] = []
-        self.errors: list[str] = []
+        self.requests: list[PostedRequest] = []
         self._lock = threading.Lock()
-        receiver = self
+        server = self
 
         class Handler(BaseHTTPRequestHandler):
+            # Keep-alive, like real servers: clients that reuse connections are tested as such.
+            protocol_version = "HTTP/1.1"
+
             def log_message(self, format: str, *args: Any) -> None:
                 return None
 
             def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                if self.path != "/v1/metrics":
-                    self.send_response(404)
-                    self.end_headers()
-                    return
-                try:
-                    message = ExportMetricsServiceRequest.FromString(body)
-                except Exception as exc:
-                    with receiver._lock:
-                        receiver.errors.append(repr(exc))
-                    self.send_response(400)
-                    self.end_headers()
-                    return
-                with receiver._lock:
-                    receiver.metrics.append(message)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                headers = {name.lower(): value for name, value in self.headers.items()}
+                request = PostedRequest(time.monotonic(), self.path, headers, body)
+                with server._lock:
+                    server.requests.append(request)
+                status = server.respond(request)
+                self.send_response(status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def respond(self, request: PostedRequest) -> int:
+        """The status to answer ``request`` with; called in the request's thread."""
+        return 200
 
     @property
     def url(self) -> str:
@@ -58,7 +68,7 @@ class OtlpReceiver:
         host, port = self._server.server_address[:2]
         return f"http://{host!s}:{port}"
 
-    def __enter__(self) -> OtlpReceiver:
+    def __enter__(self: _Server) -> _Server:
         self._thread.start()
         return self
 
@@ -71,3 +81,28 @@ class OtlpReceiver:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+class OtlpReceiver(RecordingServer):
+    """Collects ``ExportMetricsServiceRequest`` messages posted to ``/v1/metrics``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[ExportMetricsServiceRequest] = []
+        self.errors: list[str] = []
+
+    def respond(self, request: PostedRequest) -> int:
+        if request.path != "/v1/metrics":
+            return 404
+        body = request.body
+        if request.headers.get("content-encoding") == "gzip":
+            body = gzip.decompress(body)
+        try:
+            message = ExportMetricsServiceRequest.FromString(body)
+        except Exception as exc:
+            with self._lock:
+                self.errors.append(repr(exc))
+            return 400
+        with self._lock:
+            self.metrics.append(message)
+        return 200

@@ -14,9 +14,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -43,6 +41,7 @@ from spanprof._scope import labels_scope
 from .conftest import require, run_on
 from .e2e.markers import MARKERS, marker_index
 from .e2e.server import ROOT, free_port
+from .otlp_receiver import PostedRequest, RecordingServer
 
 LINUX = sys.platform.startswith("linux")
 
@@ -327,70 +326,29 @@ def test_sampler_failures_never_reach_the_application(
 # --- the uploader --------------------------------------------------------------------------------
 
 
-class _Front:
+class _Front(RecordingServer):
     """A real HTTP server in front of a PushReceiver: records requests, injects faults.
 
     The first requests are answered with ``statuses`` (no body) instead of being forwarded.
     """
 
     def __init__(self, target: str, statuses: list[int] | None = None) -> None:
+        super().__init__()
         self.target = urlsplit(target)
         self.statuses = list(statuses or [])
-        self.requests: list[tuple[float, dict[str, str]]] = []
-        self._lock = threading.Lock()
-        front = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return None
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                status = front._record(dict(self.headers))
-                if status is None:
-                    status = front._forward(self.path, dict(self.headers), body)
-                self.send_response(status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    def _record(self, headers: dict[str, str]) -> int | None:
+    def respond(self, request: PostedRequest) -> int:
         with self._lock:
-            self.requests.append((time.monotonic(), headers))
-            return self.statuses.pop(0) if self.statuses else None
-
-    def _forward(self, path: str, headers: dict[str, str], body: bytes) -> int:
+            if self.statuses:
+                return self.statuses.pop(0)
         conn = http.client.HTTPConnection(self.target.hostname or "", self.target.port)
         try:
-            conn.request("POST", path, body=body, headers=headers)
+            conn.request("POST", request.path, body=request.body, headers=request.headers)
             response = conn.getresponse()
             response.read()
             return response.status
         finally:
             conn.close()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def __enter__(self) -> _Front:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
 
 
 def _leaf() -> None:
@@ -442,7 +400,7 @@ def test_pusher_sends_what_pyroscope_io_sends() -> None:
         pusher.stop()
         pushes = receiver.received_pushes()
     assert len(pushes) == 1
-    headers = {k.lower(): v for k, v in front.requests[0][1].items()}
+    headers = front.requests[0].headers
     assert headers["content-type"] == "application/proto"
     assert headers["content-encoding"] == "gzip"
     assert headers["authorization"] == "Basic dTpw"
@@ -474,7 +432,7 @@ def test_pusher_retries_with_growing_backoff_after_server_errors() -> None:
         assert receiver.wait_for(lambda r: r.pushes >= 1, timeout=10)
         pusher.stop()
         stats = pusher.stats()
-    times = [at for at, _headers in front.requests]
+    times = [request.at for request in front.requests]
     gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
     assert len(times) == 4
     # 0.05 s, then 0.1 s, then 0.2 s, each +-20%.

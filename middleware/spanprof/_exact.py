@@ -14,11 +14,11 @@ import threading
 from collections.abc import Mapping
 
 from ._backend import ProfilerBackend
-from ._config import parse_int, parse_labels, parse_seconds, parse_server_address
 from ._labelset import LabelSet
 from ._logging import logger
 from ._pusher import Pusher, series_labels
 from ._pyroscope import PyroscopeBackend
+from ._pyroscope_settings import PyroscopeSettings, WithPyroscopeSettings
 from ._sampler import CLOCKS, Sampler, SamplerUnavailable
 
 __all__ = ["PROFILERS", "ExactBackend", "profiler_from_env"]
@@ -31,7 +31,7 @@ def _ignore(previous: LabelSet, current: LabelSet) -> None:
     return None
 
 
-class ExactBackend:
+class ExactBackend(WithPyroscopeSettings):
     """Profiles with exact per-sample labels, even when requests switch every 100 µs.
 
     A ``SIGPROF`` timer (``ITIMER_PROF``, ``sample_rate`` ticks per second of process CPU) runs
@@ -81,16 +81,16 @@ class ExactBackend:
         tags: Mapping[str, str] | None = None,
         clock: str = "cpu",
     ) -> None:
-        self.server_address = parse_server_address("server_address", server_address)
-        if not application_name:
-            raise ValueError("application_name: must not be empty")
-        self.application_name = application_name
-        self.upload_interval = parse_seconds("upload_interval", str(upload_interval))
-        self.sample_rate = parse_int("sample_rate", str(sample_rate), minimum=1, maximum=1000)
-        self.tenant_id = tenant_id
-        self.basic_auth_username = basic_auth_username
-        self.basic_auth_password = basic_auth_password
-        self.tags = parse_labels("tags", tags or {})
+        self._settings = PyroscopeSettings(
+            server_address=server_address,
+            application_name=application_name,
+            upload_interval=upload_interval,
+            sample_rate=sample_rate,
+            tenant_id=tenant_id,
+            basic_auth_username=basic_auth_username,
+            basic_auth_password=basic_auth_password,
+            tags=tags or {},
+        )
         if clock not in CLOCKS:
             raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {clock!r}")
         self.clock = clock
@@ -119,25 +119,15 @@ class ExactBackend:
         """
         env = os.environ if environ is None else environ
         # One parser for both backends: the variables mean exactly the same thing.
-        base = PyroscopeBackend.from_env(env)
-        if base is None:
+        settings = PyroscopeSettings.from_env(env)
+        if settings is None:
             return None
         clock = env.get("SPANPROF_PROFILE_CLOCK", "cpu").strip().lower() or "cpu"
         if clock not in CLOCKS:
             raise ValueError(
                 f"SPANPROF_PROFILE_CLOCK={clock!r}: expected one of {', '.join(CLOCKS)}"
             )
-        return cls(
-            server_address=base.server_address,
-            application_name=base.application_name,
-            upload_interval=base.upload_interval,
-            sample_rate=base.sample_rate,
-            tenant_id=base.tenant_id,
-            basic_auth_username=base.basic_auth_username,
-            basic_auth_password=base.basic_auth_password,
-            tags=base.tags,
-            clock=clock,
-        )
+        return cls(**settings.arguments(), clock=clock)
 
     # --- what runs -----------------------------------------------------------------------------
 
@@ -194,7 +184,7 @@ class ExactBackend:
                     "whatever ran ~0.2 ms after the stack was read",
                     exc,
                 )
-                fallback = self._pyroscope()
+                fallback = PyroscopeBackend(**self._settings.arguments())
                 fallback.start()
                 self._fallback = fallback
                 self._sink = fallback.set_thread_labels
@@ -247,18 +237,6 @@ class ExactBackend:
         # before any further call (the middleware pushes twice per request).
         if threading.get_ident() != self._context_thread:
             self._sink(previous, current)
-
-    def _pyroscope(self) -> PyroscopeBackend:
-        return PyroscopeBackend(
-            server_address=self.server_address,
-            application_name=self.application_name,
-            upload_interval=self.upload_interval,
-            sample_rate=self.sample_rate,
-            tenant_id=self.tenant_id,
-            basic_auth_username=self.basic_auth_username,
-            basic_auth_password=self.basic_auth_password,
-            tags=self.tags,
-        )
 
 
 def profiler_from_env(environ: Mapping[str, str] | None = None) -> ProfilerBackend | None:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import pyroscope
 
-from ._config import parse_int, parse_labels, parse_seconds, parse_server_address
 from ._labelset import LabelSet
 from ._logging import log_once, logger
+from ._pyroscope_settings import PyroscopeSettings, WithPyroscopeSettings
 
 __all__ = ["PyroscopeBackend"]
 
@@ -20,7 +19,7 @@ _add_tag = pyroscope.add_thread_tag
 _remove_tag = pyroscope.remove_thread_tag
 
 
-class PyroscopeBackend:
+class PyroscopeBackend(WithPyroscopeSettings):
     """Profiles with the Pyroscope agent (``pyroscope-io``), with spanprof's exact labels.
 
     The agent keys labels by OS thread; the label engine calls ``set_thread_labels`` on each
@@ -52,16 +51,16 @@ class PyroscopeBackend:
         tags: Mapping[str, str] | None = None,
         extra_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.server_address = parse_server_address("server_address", server_address)
-        if not application_name:
-            raise ValueError("application_name: must not be empty")
-        self.application_name = application_name
-        self.upload_interval = parse_seconds("upload_interval", str(upload_interval))
-        self.sample_rate = parse_int("sample_rate", str(sample_rate), minimum=1, maximum=1000)
-        self.tenant_id = tenant_id
-        self.basic_auth_username = basic_auth_username
-        self.basic_auth_password = basic_auth_password
-        self.tags = parse_labels("tags", tags or {})
+        self._settings = PyroscopeSettings(
+            server_address=server_address,
+            application_name=application_name,
+            upload_interval=upload_interval,
+            sample_rate=sample_rate,
+            tenant_id=tenant_id,
+            basic_auth_username=basic_auth_username,
+            basic_auth_password=basic_auth_password,
+            tags=tags or {},
+        )
         self.extra_options = dict(extra_options or {})
         self._lock = threading.Lock()
         self._running = False
@@ -75,32 +74,8 @@ class PyroscopeBackend:
         ``PYROSCOPE_TENANT_ID``, ``PYROSCOPE_BASIC_AUTH_USER``, ``PYROSCOPE_BASIC_AUTH_PASSWORD``
         and ``PYROSCOPE_LABELS``. A bad value raises ``ValueError`` naming the variable.
         """
-        env = os.environ if environ is None else environ
-        address = env.get("PYROSCOPE_SERVER_ADDRESS", "").strip()
-        if not address:
-            return None
-        name = (
-            env.get("PYROSCOPE_APPLICATION_NAME", "").strip()
-            or env.get("OTEL_SERVICE_NAME", "").strip()
-            or "python-app"
-        )
-        return cls(
-            server_address=parse_server_address("PYROSCOPE_SERVER_ADDRESS", address),
-            application_name=name,
-            upload_interval=parse_seconds(
-                "PYROSCOPE_UPLOAD_INTERVAL", env.get("PYROSCOPE_UPLOAD_INTERVAL", "10")
-            ),
-            sample_rate=parse_int(
-                "PYROSCOPE_SAMPLE_RATE",
-                env.get("PYROSCOPE_SAMPLE_RATE", "100"),
-                minimum=1,
-                maximum=1000,
-            ),
-            tenant_id=env.get("PYROSCOPE_TENANT_ID", ""),
-            basic_auth_username=env.get("PYROSCOPE_BASIC_AUTH_USER", ""),
-            basic_auth_password=env.get("PYROSCOPE_BASIC_AUTH_PASSWORD", ""),
-            tags=parse_labels("PYROSCOPE_LABELS", env.get("PYROSCOPE_LABELS", "")),
-        )
+        settings = PyroscopeSettings.from_env(environ)
+        return None if settings is None else cls(**settings.arguments())
 
     def start(self) -> None:
         """Configure and start the agent (once per process)."""
