@@ -41,7 +41,7 @@ from spanprof._scope import labels_scope
 from .conftest import require, run_on
 from .e2e.markers import MARKERS, marker_index
 from .e2e.server import ROOT, free_port
-from .otlp_receiver import PostedRequest, RecordingServer
+from .recording_server import PostedRequest, RecordingServer
 
 LINUX = sys.platform.startswith("linux")
 
