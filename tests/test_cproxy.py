@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import gc
 import importlib
 import importlib.util
@@ -536,8 +537,10 @@ def test_python_fallback_keeps_labels_exact(
     """Without the extension the engine's Python proxy and threading.local do the same job."""
     monkeypatch.setattr(_engine, "_CLabelledCoroutine", None, raising=False)
     monkeypatch.setattr(_engine, "_CThreadLabels", None, raising=False)
+    monkeypatch.setattr(_engine, "_CHandleRunHook", None, raising=False)
     recorder = RecorderBackend()
     _engine.install_label_engine(recorder)
+    assert asyncio.Handle._run is _engine._handle_run
     mismatches: list[str] = []
     proxied: set[type] = set()
 
@@ -563,3 +566,292 @@ def test_python_fallback_keeps_labels_exact(
     assert mismatches == []
     if loop_kind == "uvloop":
         assert proxied == {_engine._LabelledCoroutine}
+
+
+def hook_type() -> Any:
+    """The extension's HandleRunHook; skips (fails under CI) if the extension is not built."""
+    c_types()
+    return importlib.import_module("spanprof._cproxy").HandleRunHook
+
+
+def test_engine_hooks_asyncio_handles_with_the_c_hook() -> None:
+    """Installed, ``Handle._run`` is the C hook around the original; uninstalled, the original."""
+    hook = hook_type()
+    original = asyncio.Handle._run
+    assert type(original) is not hook
+    _engine.install_label_engine(RecorderBackend())
+    try:
+        assert type(asyncio.Handle._run) is hook
+        assert asyncio.Handle._run.__wrapped__ is original  # type: ignore[attr-defined]
+        assert asyncio.Handle._run.replaces is True  # type: ignore[attr-defined]
+    finally:
+        _engine.uninstall_label_engine()
+    assert asyncio.Handle._run is original
+
+
+@pytest.mark.parametrize("state_kind", ["ThreadLabels", "threading.local"])
+def test_handle_hook_pushes_only_changes_then_runs_the_handle(state_kind: str) -> None:
+    """Each call reads the handle's context, pushes only a changed label set, then runs it."""
+    hook = hook_type()
+    _, slots_type = c_types()
+    state: Any = slots_type(EMPTY) if state_kind == "ThreadLabels" else _Local()
+    events: list[object] = []
+
+    def apply(labels: LabelSet) -> None:
+        events.append(labels)
+        state.labels = labels
+
+    def run(handle: asyncio.Handle) -> str:
+        events.append(("run", handle))
+        return "ran"
+
+    class Handle(asyncio.Handle):
+        _run = hook(run, LABELS, EMPTY, {"_tls": state}, apply, asyncio.Handle)
+
+    a, b = LabelSet({"req": "a"}), LabelSet({"req": "b"})
+    contexts = {"-": contextvars.Context()}
+    for name, labels in (("a", a), ("b", b)):
+        contexts[name] = contextvars.copy_context()
+        contexts[name].run(LABELS.set, labels)
+    loop = asyncio.new_event_loop()
+    try:
+        handles = {n: Handle(print, (), loop, context=c) for n, c in contexts.items()}
+        results = [handles[name]._run() for name in "aab-ba"]
+        # Unbound, through the class: the same call.
+        assert Handle._run(handles["a"]) == "ran"
+    finally:
+        loop.close()
+    assert results == ["ran"] * 6
+    runs = [("run", handles[name]) for name in "aab-baa"]
+    assert events == [a, *runs[:2], b, runs[2], EMPTY, runs[3], b, runs[4], a, *runs[5:]]
+
+
+def test_handle_hook_keeps_asyncio_error_handling() -> None:
+    """A failing callback still reaches the loop's exception handler, with its labels applied."""
+    hook_type()
+    recorder = RecorderBackend()
+    seen: list[tuple[object, LabelSet]] = []
+
+    def fail() -> None:
+        raise Boom("in a callback")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(
+            lambda _loop, context: seen.append((context["exception"], recorder.thread_labels()))
+        )
+        with profile_labels(req="x"):
+            loop.call_soon(fail)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    _engine.install_label_engine(recorder)
+    try:
+        run_on("asyncio", main)
+    finally:
+        _engine.uninstall_label_engine()
+    assert len(seen) == 1
+    assert isinstance(seen[0][0], Boom)
+    assert seen[0][1] == LabelSet({"req": "x"})
+
+
+@pytest.mark.parametrize("mode", ["replaces", "wraps"])
+def test_handle_hook_leaks_no_references_over_100k_calls(mode: str) -> None:
+    """100k hooked runs, each a label change, leave refcounts and traced memory unchanged."""
+    hook = hook_type()
+    _, slots_type = c_types()
+    state = slots_type(EMPTY)
+    a, b = LabelSet({"req": "a"}), LabelSet({"req": "b"})
+
+    def apply(labels: LabelSet) -> None:
+        state.labels = labels
+
+    def run(handle: asyncio.Handle) -> None:
+        return None
+
+    def report(handle: asyncio.Handle, exc: BaseException) -> None:
+        raise AssertionError("no callback fails here")
+
+    namespace = {"_tls": state}
+    if mode == "wraps":
+        report = None  # type: ignore[assignment]
+
+    class Handle(asyncio.Handle):
+        _run = hook(run, LABELS, EMPTY, namespace, apply, asyncio.Handle, report)
+
+    context_a, context_b = contextvars.copy_context(), contextvars.copy_context()
+    context_a.run(LABELS.set, a)
+    context_b.run(LABELS.set, b)
+    loop = asyncio.new_event_loop()
+    try:
+        ha = Handle(print, (), loop, context=context_a)
+        hb = Handle(print, (), loop, context=context_b)
+        tracked = (a, b, ha, hb, context_a, context_b, namespace, apply, run, state, print)
+        for _ in range(50):
+            ha._run()
+            hb._run()
+        gc.collect()
+        refs_before = [sys.getrefcount(obj) for obj in tracked]
+        tracemalloc.start()
+        try:
+            memory_before = tracemalloc.get_traced_memory()[0]
+            for _ in range(50_000):
+                ha._run()
+                hb._run()
+            gc.collect()
+            growth = tracemalloc.get_traced_memory()[0] - memory_before
+        finally:
+            tracemalloc.stop()
+    finally:
+        loop.close()
+    assert [sys.getrefcount(obj) for obj in tracked] == refs_before
+    assert growth < 16 * 1024
+
+
+def test_handle_hook_rejects_bad_arguments() -> None:
+    """Wrong types fail at construction; a call without the handle fails with TypeError."""
+    hook = hook_type()
+    with pytest.raises(TypeError):
+        hook(None, LABELS, EMPTY, {}, print, asyncio.Handle)
+    with pytest.raises(TypeError):
+        hook(print, "not a ContextVar", EMPTY, {}, print, asyncio.Handle)
+    with pytest.raises(TypeError):
+        hook(print, LABELS, EMPTY, {}, 42, asyncio.Handle)
+    with pytest.raises(TypeError):
+        hook(print, LABELS, EMPTY, {}, print, asyncio.Handle, 42)
+    with pytest.raises(TypeError, match="not an object slot"):
+        hook(print, LABELS, EMPTY, {}, print, type("NoSlots", (), {"_context": None}), print)
+    bare = hook(print, LABELS, EMPTY, {"_tls": c_types()[1](EMPTY)}, print, asyncio.Handle)
+    with pytest.raises(TypeError, match="expected the handle"):
+        bare()
+
+
+def _failing_callback_report(engine: bool, *, debug: bool) -> dict[str, Any]:
+    """What the loop's exception handler sees for a failing callback, engine on or off."""
+    seen: dict[str, Any] = {}
+
+    def fail(value: int) -> None:
+        raise Boom(f"callback failed with {value}")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_debug(debug)
+
+        def handler(_loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+            seen.update(context)
+            seen["exc_info"] = sys.exc_info()[1]
+
+        loop.set_exception_handler(handler)
+        seen["scheduled"] = loop.call_soon(fail, 7)
+        await asyncio.sleep(0)
+
+    if engine:
+        _engine.install_label_engine(RecorderBackend())
+    try:
+        run_on("asyncio", main)
+    finally:
+        if engine:
+            _engine.uninstall_label_engine()
+    return seen
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["normal", "debug"])
+def test_hooked_handles_report_failures_exactly_like_asyncio(debug: bool) -> None:
+    """The replacing hook gives the exception handler what asyncio's own ``_run`` gives it."""
+    hook_type()
+    plain = _failing_callback_report(engine=False, debug=debug)
+    hooked = _failing_callback_report(engine=True, debug=debug)
+    for seen in (plain, hooked):
+        assert seen["handle"] is seen["scheduled"]
+        assert isinstance(seen["exception"], Boom)
+        # Reported while being handled, as in an except block.
+        assert seen["exc_info"] is seen["exception"]
+    assert hooked["message"] == plain["message"]
+    assert "fail" in hooked["message"]
+    assert str(hooked["exception"]) == str(plain["exception"]) == "callback failed with 7"
+    assert set(hooked) == set(plain)
+    if debug:
+        assert len(hooked["source_traceback"]) == len(plain["source_traceback"]) > 0
+    # Nothing stays "being handled" after the handler.
+    assert sys.exc_info() == (None, None, None)
+
+
+@pytest.mark.parametrize("exc_type", [SystemExit, KeyboardInterrupt])
+def test_hooked_handles_let_exit_exceptions_through(exc_type: type[BaseException]) -> None:
+    """SystemExit and KeyboardInterrupt leave the loop, as they do from asyncio's ``_run``."""
+    hook_type()
+
+    def stop() -> None:
+        raise exc_type("stop")
+
+    async def main() -> None:
+        asyncio.get_running_loop().call_soon(stop)
+        await asyncio.sleep(1)
+
+    _engine.install_label_engine(RecorderBackend())
+    try:
+        with pytest.raises(exc_type, match="stop"):
+            run_on("asyncio", main)
+    finally:
+        _engine.uninstall_label_engine()
+
+
+def test_hooked_handles_run_callbacks_that_cancel_themselves() -> None:
+    """A callback that cancels its own handle (dropping its slots) runs and ends cleanly."""
+    hook_type()
+    recorder = RecorderBackend()
+    ran: list[tuple[object, ...]] = []
+    handles: list[asyncio.Handle] = []
+
+    def callback(*args: object) -> None:
+        handles[0].cancel()
+        gc.collect()
+        ran.append(args)
+
+    async def main() -> None:
+        with profile_labels(req="self-cancelling"):
+            handles.append(asyncio.get_running_loop().call_soon(callback, "x", ("y",), 3))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    _engine.install_label_engine(recorder)
+    try:
+        run_on("asyncio", main)
+    finally:
+        _engine.uninstall_label_engine()
+    assert ran == [("x", ("y",), 3)]
+    assert handles[0].cancelled()
+    assert (threading.get_ident(), LabelSet({"req": "self-cancelling"})) in recorder.switches
+
+
+def test_a_handle_run_someone_else_patched_keeps_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When ``Handle._run`` is already wrapped, the hook syncs labels and calls that wrapper."""
+    hook_type()
+    original = asyncio.Handle._run
+    recorder = RecorderBackend()
+    calls: list[LabelSet] = []
+
+    @functools.wraps(original)
+    def slow_callback_logger(self: asyncio.Handle) -> None:
+        # Outside the handle's context: what the engine pushed before calling the wrapper.
+        calls.append(recorder.thread_labels())
+        original(self)
+
+    monkeypatch.setattr(asyncio.Handle, "_run", slow_callback_logger)
+    monkeypatch.setattr(_engine, "_orig_handle_run", slow_callback_logger)
+    seen: list[LabelSet] = []
+
+    async def main() -> None:
+        with profile_labels(req="wrapped"):
+            await asyncio.sleep(0)
+            seen.append(recorder.thread_labels())
+
+    _engine.install_label_engine(recorder)
+    try:
+        assert asyncio.Handle._run.replaces is False  # type: ignore[attr-defined]
+        run_on("asyncio", main)
+    finally:
+        _engine.uninstall_label_engine()
+    assert asyncio.Handle._run is slow_callback_logger
+    assert seen == [LabelSet({"req": "wrapped"})]
+    assert LabelSet({"req": "wrapped"}) in calls

@@ -19,6 +19,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>  /* T_OBJECT_EX */
 #include <stddef.h>  /* offsetof */
 
 #if PY_VERSION_HEX < 0x030A0000
@@ -171,14 +172,65 @@ static PyTypeObject Slot_Type = {
 
 /* --- LabelledCoroutine -------------------------------------------------------------------- */
 
+/* 0 when the calling thread already runs with `labels`, 1 when it does not, -1 on error.
+ * `ns["_tls"]` is the engine's per-thread state: read directly when it is a ThreadLabels, else
+ * any object with a labels attribute (the engine's threading.local without this module's
+ * ThreadLabels). That one is borrowed from the dict, and a threading.local's first access on a
+ * thread runs its __init__: hold it across the lookup. */
+static int
+labels_changed(PyObject *ns, PyObject *labels)
+{
+    PyObject *state, *last;
+    int changed;
+
+    state = PyDict_GetItemWithError(ns, str_tls);
+    if (state == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetObject(PyExc_KeyError, str_tls);
+        }
+        return -1;
+    }
+    if (Py_IS_TYPE(state, &Slot_Type)) {
+        last = slot_read((SlotObject *)state);
+        return last == NULL ? -1 : last != labels;
+    }
+    Py_INCREF(state);
+    last = PyObject_GetAttr(state, str_labels);
+    Py_DECREF(state);
+    if (last == NULL) {
+        return -1;
+    }
+    changed = last != labels;
+    Py_DECREF(last);
+    return changed;
+}
+
+/* Calls apply(labels) unless the calling thread already runs with them: 0, or -1 on error. */
+static int
+push_if_changed(PyObject *ns, PyObject *apply, PyObject *labels)
+{
+    PyObject *res;
+    int changed = labels_changed(ns, labels);
+
+    if (changed <= 0) {
+        return changed;
+    }
+    res = PyObject_CallOneArg(apply, labels);
+    if (res == NULL) {
+        return -1;
+    }
+    Py_DECREF(res);
+    return 0;
+}
+
 /* Runs before every step: the caller is inside the task's context, so the ContextVar holds the
  * task's labels. Same logic as the Python proxy, so both agree with apply() on what counts as
  * a change (identity here; apply() itself skips equal sets). */
 static int
 sync_labels(ProxyObject *self)
 {
-    PyObject *labels, *state, *last;
-    int changed;
+    PyObject *labels;
+    int status;
 
     if (PyContextVar_Get(self->var, NULL, &labels) < 0) {
         return -1;
@@ -187,46 +239,9 @@ sync_labels(ProxyObject *self)
         PyErr_SetObject(PyExc_LookupError, self->var);
         return -1;
     }
-    state = PyDict_GetItemWithError(self->ns, str_tls);
-    if (state == NULL) {
-        if (!PyErr_Occurred()) {
-            PyErr_SetObject(PyExc_KeyError, str_tls);
-        }
-        Py_DECREF(labels);
-        return -1;
-    }
-    if (Py_IS_TYPE(state, &Slot_Type)) {
-        last = slot_read((SlotObject *)state);  /* borrowed, compared at once */
-        if (last == NULL) {
-            Py_DECREF(labels);
-            return -1;
-        }
-        changed = last != labels;
-    }
-    else {
-        /* Any object with a labels attribute (the engine's threading.local without this
-         * module's ThreadLabels). Borrowed from the dict, and a threading.local's first access
-         * on a thread runs its __init__: hold it across the lookup. */
-        Py_INCREF(state);
-        last = PyObject_GetAttr(state, str_labels);
-        Py_DECREF(state);
-        if (last == NULL) {
-            Py_DECREF(labels);
-            return -1;
-        }
-        changed = last != labels;
-        Py_DECREF(last);
-    }
-    if (changed) {
-        PyObject *res = PyObject_CallOneArg(self->apply, labels);
-        if (res == NULL) {
-            Py_DECREF(labels);
-            return -1;
-        }
-        Py_DECREF(res);
-    }
+    status = push_if_changed(self->ns, self->apply, labels);
     Py_DECREF(labels);
-    return 0;
+    return status;
 }
 
 static int
@@ -468,6 +483,308 @@ static PyTypeObject Proxy_Type = {
     .tp_new = proxy_new,
 };
 
+/* --- HandleRunHook -------------------------------------------------------------------------- */
+
+/* asyncio.Handle._run, hooked: every task step and callback of a pure-Python loop runs through
+ * it, inside the handle's context. Wrapping the Python _run in anything costs ~1,100
+ * instructions a step (~200 ns): the wrapper's frame, and above all a second entry into the
+ * interpreter for the original. So when the original is asyncio's own (checked by the engine),
+ * the hook *is* _run: it enters the handle's context, syncs the labels, calls the callback and
+ * leaves, as Context.run does; a failing callback goes to report(handle, exc), the original's
+ * except block, run with the exception being handled exactly as there. Any other _run (already
+ * patched by someone else) is called after the sync instead. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *orig;         /* the original Handle._run */
+    PyObject *var;          /* the labels ContextVar */
+    PyObject *empty;        /* its value in a context that never set it */
+    PyObject *ns;           /* the engine's namespace: "_tls" is read each call, as above */
+    PyObject *apply;        /* apply(labels) */
+    PyObject *handle_type;  /* asyncio.Handle: its slots' offsets below are valid for it */
+    PyObject *report;       /* report(handle, exc), or NULL: call orig instead */
+    Py_ssize_t off_context, off_callback, off_args;
+    vectorcallfunc vectorcall;
+} HookObject;
+
+static PyTypeObject Hook_Type;
+static PyObject *context_get;  /* contextvars.Context.get, an unbound method descriptor */
+static PyObject *str_context;  /* "_context" */
+
+/* A handle's slot, borrowed (NULL when unset). Only for instances of hook->handle_type. */
+#define HANDLE_SLOT(handle, offset) (*(PyObject **)((char *)(handle) + (offset)))
+
+/* The offset of handle_type's __slots__ member `name`, or -1 with an exception set. */
+static Py_ssize_t
+slot_offset(PyObject *handle_type, const char *name)
+{
+    PyObject *descr = PyObject_GetAttrString(handle_type, name);
+    Py_ssize_t offset = -1;
+
+    if (descr == NULL) {
+        return -1;
+    }
+    if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+        if (member->type == T_OBJECT_EX || member->type == T_OBJECT) {
+            offset = member->offset;
+        }
+    }
+    Py_DECREF(descr);
+    if (offset < 0) {
+        PyErr_Format(PyExc_TypeError, "HandleRunHook: %s is not an object slot", name);
+    }
+    return offset;
+}
+
+/* The generic hook: sync the labels of handle._context, then call the original _run. */
+static PyObject *
+hook_call_original(HookObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *context, *labels;
+    PyObject *get_args[3];
+    int status;
+
+    context = PyObject_GetAttr(args[0], str_context);
+    if (context == NULL) {
+        return NULL;
+    }
+    get_args[0] = context;
+    get_args[1] = self->var;
+    get_args[2] = self->empty;
+    labels = PyObject_Vectorcall(context_get, get_args, 3, NULL);
+    Py_DECREF(context);
+    if (labels == NULL) {
+        return NULL;
+    }
+    status = push_if_changed(self->ns, self->apply, labels);
+    Py_DECREF(labels);
+    if (status < 0) {
+        return NULL;
+    }
+    return PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
+}
+
+/* The except block of asyncio's _run: SystemExit and KeyboardInterrupt propagate, anything
+ * else goes to report(handle, exc) while it is the exception being handled (sys.exc_info()). */
+static PyObject *
+hook_report(HookObject *self, PyObject *handle)
+{
+    PyObject *type, *exc, *tb, *saved_type, *saved_value, *saved_tb, *res;
+
+    if (PyErr_ExceptionMatches(PyExc_SystemExit) ||
+        PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+        return NULL;
+    }
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (tb != NULL) {
+        PyException_SetTraceback(exc, tb);
+    }
+    PyErr_GetExcInfo(&saved_type, &saved_value, &saved_tb);
+    PyErr_SetExcInfo(type, Py_NewRef(exc), tb);  /* steals type, the new exc ref and tb */
+    res = PyObject_CallFunctionObjArgs(self->report, handle, exc, NULL);
+    PyErr_SetExcInfo(saved_type, saved_value, saved_tb);
+    Py_DECREF(exc);
+    return res;
+}
+
+static PyObject *
+hook_vectorcall(HookObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *handle, *context, *callback, *cargs, *labels, *result;
+    int status;
+
+    if (nargs != 1 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "Handle._run hook: expected the handle, alone");
+        return NULL;
+    }
+    handle = args[0];
+    if (self->report == NULL || !PyObject_TypeCheck(handle, (PyTypeObject *)self->handle_type)) {
+        return hook_call_original(self, args, nargsf, kwnames);
+    }
+    context = HANDLE_SLOT(handle, self->off_context);
+    callback = HANDLE_SLOT(handle, self->off_callback);
+    cargs = HANDLE_SLOT(handle, self->off_args);
+    if (context == NULL || callback == NULL || cargs == NULL || !PyContext_CheckExact(context) ||
+        !PyTuple_CheckExact(cargs)) {
+        /* Not a state asyncio's own code leaves behind: let the original deal with it. */
+        return hook_call_original(self, args, nargsf, kwnames);
+    }
+    /* The callback may cancel its own handle, which drops these slots. */
+    Py_INCREF(context);
+    Py_INCREF(callback);
+    Py_INCREF(cargs);
+    if (PyContext_Enter(context) < 0) {  /* e.g. "already entered": the original reports it */
+        result = NULL;
+    }
+    else {
+        if (PyContextVar_Get(self->var, self->empty, &labels) < 0) {
+            result = NULL;
+        }
+        else {
+            status = push_if_changed(self->ns, self->apply, labels);
+            Py_DECREF(labels);
+            result = status < 0 ? NULL
+                                : PyObject_Vectorcall(callback, &PyTuple_GET_ITEM(cargs, 0),
+                                                      (size_t)PyTuple_GET_SIZE(cargs), NULL);
+        }
+        if (PyContext_Exit(context) < 0) {
+            Py_CLEAR(result);
+        }
+    }
+    Py_DECREF(context);
+    Py_DECREF(callback);
+    Py_DECREF(cargs);
+    if (result != NULL) {
+        Py_DECREF(result);
+        Py_RETURN_NONE;
+    }
+    return hook_report(self, handle);
+}
+
+/* Looked up on an instance: bind it, like a function. Py_TPFLAGS_METHOD_DESCRIPTOR lets the
+ * interpreter skip this for handle._run() and call the hook with the handle first. */
+static PyObject *
+hook_descr_get(PyObject *self, PyObject *obj, PyObject *Py_UNUSED(type))
+{
+    if (obj == NULL || obj == Py_None) {
+        return Py_NewRef(self);
+    }
+    return PyMethod_New(self, obj);
+}
+
+static PyObject *
+hook_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"run",          "labels_var", "empty",  "namespace",
+                             "apply",        "handle_type", "report", NULL};
+    PyObject *orig, *var, *empty, *ns, *apply, *handle_type, *report = Py_None;
+    Py_ssize_t off_context = 0, off_callback = 0, off_args = 0;
+    HookObject *self;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!OO!OO!|O:HandleRunHook", kwlist, &orig,
+                                     &PyContextVar_Type, &var, &empty, &PyDict_Type, &ns,
+                                     &apply, &PyType_Type, &handle_type, &report)) {
+        return NULL;
+    }
+    if (!PyCallable_Check(orig) || !PyCallable_Check(apply) ||
+        (report != Py_None && !PyCallable_Check(report))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "HandleRunHook: run, apply and report (unless None) must be callable");
+        return NULL;
+    }
+    if (report != Py_None) {
+        if ((off_context = slot_offset(handle_type, "_context")) < 0 ||
+            (off_callback = slot_offset(handle_type, "_callback")) < 0 ||
+            (off_args = slot_offset(handle_type, "_args")) < 0) {
+            return NULL;
+        }
+    }
+    self = (HookObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->orig = Py_NewRef(orig);
+    self->var = Py_NewRef(var);
+    self->empty = Py_NewRef(empty);
+    self->ns = Py_NewRef(ns);
+    self->apply = Py_NewRef(apply);
+    self->handle_type = Py_NewRef(handle_type);
+    self->report = report == Py_None ? NULL : Py_NewRef(report);
+    self->off_context = off_context;
+    self->off_callback = off_callback;
+    self->off_args = off_args;
+    self->vectorcall = (vectorcallfunc)hook_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+hook_traverse(HookObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->orig);
+    Py_VISIT(self->var);
+    Py_VISIT(self->empty);
+    Py_VISIT(self->ns);
+    Py_VISIT(self->apply);
+    Py_VISIT(self->handle_type);
+    Py_VISIT(self->report);
+    return 0;
+}
+
+static int
+hook_clear(HookObject *self)
+{
+    Py_CLEAR(self->orig);
+    Py_CLEAR(self->var);
+    Py_CLEAR(self->empty);
+    Py_CLEAR(self->ns);
+    Py_CLEAR(self->apply);
+    Py_CLEAR(self->handle_type);
+    Py_CLEAR(self->report);
+    return 0;
+}
+
+static void
+hook_dealloc(HookObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    hook_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+hook_get_wrapped(HookObject *self, void *Py_UNUSED(closure))
+{
+    if (self->orig == NULL) {
+        Py_RETURN_NONE;
+    }
+    return Py_NewRef(self->orig);
+}
+
+static PyObject *
+hook_get_replaces(HookObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(self->report != NULL);
+}
+
+static PyGetSetDef hook_getset[] = {
+    {"__wrapped__", (getter)hook_get_wrapped, NULL, PyDoc_STR("The original Handle._run."),
+     NULL},
+    {"replaces", (getter)hook_get_replaces, NULL,
+     PyDoc_STR("True: runs handles itself; False: calls the original after the sync."), NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(hook_doc,
+"HandleRunHook(run, labels_var, empty, namespace, apply, handle_type, report=None)\n"
+"--\n"
+"\n"
+"A replacement for asyncio.Handle._run. With report=None, hook(handle) reads labels_var in\n"
+"handle._context (empty when unset), compares it by identity with namespace['_tls'].labels,\n"
+"calls apply(labels) on a mismatch, then returns run(handle). With report, for instances of\n"
+"handle_type it does the work of asyncio's own _run instead: inside handle._context, sync the\n"
+"labels the same way and call handle._callback(*handle._args); an exception other than\n"
+"SystemExit and KeyboardInterrupt goes to report(handle, exc) while being handled.\n"
+"Binds like a function.");
+
+static PyTypeObject Hook_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "spanprof._cproxy.HandleRunHook",
+    .tp_basicsize = sizeof(HookObject),
+    .tp_dealloc = (destructor)hook_dealloc,
+    .tp_vectorcall_offset = offsetof(HookObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+                Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_doc = hook_doc,
+    .tp_traverse = (traverseproc)hook_traverse,
+    .tp_clear = (inquiry)hook_clear,
+    .tp_getset = hook_getset,
+    .tp_descr_get = hook_descr_get,
+    .tp_new = hook_new,
+};
+
 static struct PyModuleDef cproxy_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "spanprof._cproxy",
@@ -491,10 +808,18 @@ PyInit__cproxy(void)
 
     if (intern(&str_tls, "_tls") < 0 || intern(&str_labels, "labels") < 0 ||
         intern(&str_throw, "throw") < 0 || intern(&str_close, "close") < 0 ||
-        intern(&str_slot, "spanprof._cproxy.ThreadLabels") < 0) {
+        intern(&str_slot, "spanprof._cproxy.ThreadLabels") < 0 ||
+        intern(&str_context, "_context") < 0) {
         return NULL;
     }
-    if (PyType_Ready(&Proxy_Type) < 0 || PyType_Ready(&Slot_Type) < 0) {
+    if (context_get == NULL) {
+        context_get = PyObject_GetAttrString((PyObject *)&PyContext_Type, "get");
+        if (context_get == NULL) {
+            return NULL;
+        }
+    }
+    if (PyType_Ready(&Proxy_Type) < 0 || PyType_Ready(&Slot_Type) < 0 ||
+        PyType_Ready(&Hook_Type) < 0) {
         return NULL;
     }
     module = PyModule_Create(&cproxy_module);
@@ -502,7 +827,8 @@ PyInit__cproxy(void)
         return NULL;
     }
     if (PyModule_AddObjectRef(module, "LabelledCoroutine", (PyObject *)&Proxy_Type) < 0 ||
-        PyModule_AddObjectRef(module, "ThreadLabels", (PyObject *)&Slot_Type) < 0) {
+        PyModule_AddObjectRef(module, "ThreadLabels", (PyObject *)&Slot_Type) < 0 ||
+        PyModule_AddObjectRef(module, "HandleRunHook", (PyObject *)&Hook_Type) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -1,5 +1,6 @@
 """Type stub of the optional C extension ``spanprof._cproxy`` (source: ``_cproxy.c``)."""
 
+import asyncio
 from collections.abc import Callable, Coroutine, Generator
 from contextvars import ContextVar
 from typing import Any, final
@@ -31,3 +32,22 @@ class ThreadLabels:
 
     labels: LabelSet
     def __new__(cls, default: LabelSet) -> ThreadLabels: ...
+
+@final
+class HandleRunHook:
+    """A replacement for ``asyncio.Handle._run`` that syncs labels first; binds like a function."""
+
+    __wrapped__: Callable[[asyncio.Handle], None]
+    def __new__(
+        cls,
+        run: Callable[[asyncio.Handle], None],
+        labels_var: ContextVar[LabelSet],
+        empty: LabelSet,
+        namespace: dict[str, Any],
+        apply: Callable[[LabelSet], object],
+        handle_type: type[asyncio.Handle],
+        report: Callable[[asyncio.Handle, BaseException], object] | None = None,
+    ) -> HandleRunHook: ...
+    @property
+    def replaces(self) -> bool: ...
+    def __call__(self, handle: asyncio.Handle, /) -> None: ...

@@ -18,13 +18,15 @@ set differs from what that thread last pushed, tells the backend:
 Nothing is patched at import time: ``install_label_engine`` patches, ``uninstall_label_engine``
 restores the originals.
 
-The coroutine proxy and the per-thread state come in C (``spanprof._cproxy``) when the package
-was built with a compiler; without it the Python versions below do the same, slower.
+The ``Handle._run`` hook, the coroutine proxy and the per-thread state come in C
+(``spanprof._cproxy``) when the package was built with a compiler; without it the Python versions
+below do the same, slower.
 """
 
 from __future__ import annotations
 
 import asyncio
+import asyncio.events
 import concurrent.futures
 import contextlib
 import functools
@@ -32,6 +34,7 @@ import os
 import sys
 import threading
 import weakref
+from asyncio import format_helpers
 from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -40,9 +43,11 @@ from ._labelset import EMPTY, LABELS, LabelSet
 from ._logging import log_once
 
 try:
+    from ._cproxy import HandleRunHook as _CHandleRunHook
     from ._cproxy import LabelledCoroutine as _CLabelledCoroutine
     from ._cproxy import ThreadLabels as _CThreadLabels
 except ImportError:  # installed without a C compiler: the Python versions below do the same
+    _CHandleRunHook = None  # type: ignore[assignment,misc]
     _CLabelledCoroutine = None  # type: ignore[assignment,misc]
     _CThreadLabels = None  # type: ignore[assignment,misc]
 
@@ -141,6 +146,47 @@ def _handle_run(self: asyncio.Handle) -> None:
     if labels is not _tls.labels:
         apply(labels)
     _orig_handle_run(self)
+
+
+def _report_callback_error(handle: asyncio.Handle, exc: BaseException) -> None:
+    # The except block of asyncio's Handle._run (identical in 3.10-3.13 but for ``debug``),
+    # for the C hook that runs asyncio's own handles itself.
+    h: Any = handle
+    if sys.version_info >= (3, 13):
+        source = format_helpers._format_callback_source(
+            h._callback, h._args, debug=h._loop.get_debug()
+        )
+    else:
+        source = format_helpers._format_callback_source(h._callback, h._args)
+    context: dict[str, Any] = {
+        "message": f"Exception in callback {source}",
+        "exception": exc,
+        "handle": handle,
+    }
+    if h._source_traceback:
+        context["source_traceback"] = h._source_traceback
+    h._loop.call_exception_handler(context)
+
+
+def _is_asyncios_own(run: Callable[..., object]) -> bool:
+    # functools.wraps copies names, not code: a wrapper someone else installed must keep running.
+    code = getattr(run, "__code__", None)
+    return (
+        code is not None
+        and code.co_name == "_run"
+        and code.co_filename == asyncio.events.__file__
+        and sys.version_info < (3, 14)  # _report_callback_error copies what these versions do
+    )
+
+
+def _handle_run_hook() -> Callable[[asyncio.Handle], None]:
+    if _CHandleRunHook is None:
+        return _handle_run
+    # Reads ``_tls`` from this module's namespace on every call, like the C proxy.
+    report = _report_callback_error if _is_asyncios_own(_orig_handle_run) else None
+    return _CHandleRunHook(
+        _orig_handle_run, LABELS, EMPTY, globals(), apply, asyncio.Handle, report
+    )
 
 
 # --- task factory for loops whose handles we cannot patch ------------------------------------
@@ -330,7 +376,7 @@ def _patch_anyio() -> Callable[[], None] | None:
 
 
 def _install_patches() -> None:
-    setattr(asyncio.Handle, "_run", _handle_run)  # noqa: B010 - a method swap mypy forbids
+    setattr(asyncio.Handle, "_run", _handle_run_hook())  # noqa: B010 - a method swap mypy forbids
     _restore.append(lambda: setattr(asyncio.Handle, "_run", _orig_handle_run))
     concurrent.futures.ThreadPoolExecutor.submit = _submit  # type: ignore[method-assign,assignment]
     _restore.append(lambda: setattr(concurrent.futures.ThreadPoolExecutor, "submit", _orig_submit))
