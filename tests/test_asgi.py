@@ -22,6 +22,7 @@ from starlette.websockets import WebSocket
 import spanprof
 from spanprof import ProfilingMiddleware, RecorderBackend, current_labels
 from spanprof._engine import attach_loop
+from spanprof._routes import starlette_route_template
 
 from .asgi_driver import lifespan, websocket_session
 from .conftest import run_on
@@ -409,3 +410,80 @@ def test_non_http_scopes_pass_through(tracer_provider: TracerProvider) -> None:
 
     asyncio.run(app({"type": "custom"}, noop_receive, noop_send))
     assert seen == ["custom"]
+
+
+def test_excluded_urls_are_neither_traced_nor_labelled(
+    recorder: RecorderBackend,
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+) -> None:
+    """excluded_urls leaves matching requests alone, and their failures are not retried."""
+    calls: list[str] = []
+    inner = build_app(recorder)
+
+    async def counting(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            calls.append(scope["path"])
+        await inner(scope, receive, send)
+
+    app = ProfilingMiddleware(
+        counting,
+        profiler=None,
+        tracer_provider=tracer_provider,
+        excluded_urls="/items/.*,/boom",
+        route_resolver=lambda scope: starlette_route_template(scope, inner),
+    )
+
+    async def main() -> tuple[dict[str, Any], int, int]:
+        async with _client(app) as client:
+            body = (await client.get("/items/3")).json()
+            failed = (await client.get("/boom")).status_code
+            traced = (await client.get("/api/users/1")).status_code
+        return body, failed, traced
+
+    body, failed, traced = asyncio.run(main())
+    assert body["labels"] == {}
+    assert body["thread"] == {}
+    assert (failed, traced) == (500, 200)
+    assert calls == ["/items/3", "/boom", "/api/users/1"]
+    assert [s.name for s in _server_spans(span_exporter)] == ["GET /api/users/{user_id:int}"]
+
+
+def test_a_failure_to_label_never_fails_the_request(
+    recorder: RecorderBackend,
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """If building the labels raises, the request runs unlabelled, once, and it is logged once."""
+    from spanprof import _asgi
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("labels broke")
+
+    monkeypatch.setattr(_asgi, "request_labels", broken)
+    calls: list[str] = []
+    inner = build_app(recorder)
+
+    async def counting(scope: Any, receive: Any, send: Any) -> None:
+        calls.append(scope["path"])
+        await inner(scope, receive, send)
+
+    app = ProfilingMiddleware(
+        counting,
+        profiler=None,
+        tracer_provider=tracer_provider,
+        route_resolver=lambda scope: starlette_route_template(scope, inner),
+    )
+
+    async def main() -> list[dict[str, Any]]:
+        async with _client(app) as client:
+            return [(await client.get(f"/items/{i}")).json() for i in range(2)]
+
+    with caplog.at_level("WARNING", logger="spanprof"):
+        bodies = asyncio.run(main())
+    assert [b["labels"] for b in bodies] == [{}, {}]
+    assert calls == ["/items/0", "/items/1"]
+    assert len(_server_spans(span_exporter)) == 2
+    assert len([r for r in caplog.records if "labelling a request" in r.getMessage()]) == 1

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from contextvars import ContextVar
-from typing import Any
+from contextvars import ContextVar, Token
+from typing import Any, cast
 
 from opentelemetry import trace
 from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+from opentelemetry.instrumentation.asgi import get_host_port_url_tuple as _untyped_url_tuple
 from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
-from opentelemetry.trace import TracerProvider
+from opentelemetry.trace import INVALID_SPAN, Span, TracerProvider
+from opentelemetry.util.http import parse_excluded_urls
 
 from ._backend import ProfilerBackend
-from ._duration import DurationRecorder
 from ._engine import attach_loop, sync
-from ._labelset import LABELS
+from ._labelset import LABELS, LabelSet
 from ._logging import log_once
 from ._prometheus import PrometheusMetrics
 from ._routes import UNMATCHED, known_method, span_name, starlette_route_template
@@ -27,17 +28,21 @@ __all__ = ["FROM_ENV", "ProfilingMiddleware"]
 
 
 class _Request:
-    """What the outer layer hands the labelled layer through the OpenTelemetry middleware."""
+    """One request's state, shared by the middleware's outer layer and OTel's request hook."""
 
-    __slots__ = ("entered", "name", "scope", "template")
+    __slots__ = ("labels_token", "name", "scope", "span", "template")
 
     def __init__(self, name: str, template: str | None, scope: Scope) -> None:
         self.name = name
         self.template = template
         # The app always gets the server's scope, even when OTel was shown a sanitized copy.
         self.scope = scope
-        self.entered = False
+        self.span: Span | None = None
+        self.labels_token: Token[LabelSet] | None = None
 
+
+# The URL OTel matches excluded_urls against: (host, port, url).
+_host_port_url = cast(Callable[[Scope], tuple[str, Any, str]], _untyped_url_tuple)
 
 _REQUEST: ContextVar[_Request | None] = ContextVar("spanprof.request", default=None)
 
@@ -63,74 +68,58 @@ def _sanitized(scope: Scope) -> Scope:
     return {**scope, "headers": headers}
 
 
-class _Labelled:
-    """Runs inside the server span: label the request, call the app, record its duration."""
+class _ServerScope:
+    """Hands the app the server's own scope when OTel was shown a sanitized copy."""
 
-    def __init__(self, app: ASGIApp, *, with_trace_id: bool, durations: DurationRecorder) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.with_trace_id = with_trace_id
-        self.durations = durations
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = _REQUEST.get()
-        if request is None:  # called without the outer layer: nothing to label with
-            await self.app(scope, receive, send)
+        await self.app(request.scope if request is not None else scope, receive, send)
+
+
+class _Labeller:
+    """Labels a request the moment its server span exists: OTel's ``server_request_hook``.
+
+    Hooked into OpenTelemetry's middleware rather than layered around the app, it costs no
+    extra coroutine per request. The middleware's outer layer resets the labels it sets, in
+    the ``finally`` around OpenTelemetry's middleware (``_leave``).
+    """
+
+    def __init__(self, *, with_trace_id: bool) -> None:
+        self.with_trace_id = with_trace_id
+
+    def __call__(self, span: Span, scope: Scope) -> None:
+        request = _REQUEST.get()
+        if request is not None:
+            self.enter(request, span)
+
+    def enter(self, request: _Request, span: Span) -> None:
+        """Label ``request`` with ``span``'s ids and link the span to its profile."""
+        if request.labels_token is not None:  # already labelled: keep its first span's labels
             return
-        request.entered = True
-        name, template, scope = request.name, request.template, request.scope
-        span = trace.get_current_span()
-        labels = request_labels(span, name, with_trace_id=self.with_trace_id)
-        annotate_span(span, labels, template)
-        if scope["type"] != "http":
-            token = LABELS.set(labels)
-            sync()
-            try:
-                await self.app(scope, receive, send)
-            finally:
-                LABELS.reset(token)
-                sync()
-            return
-
-        durations = self.durations
-        status_code: int | None = None
-        finished: float | None = None
-        breached: bool | None = None
-        start = time.perf_counter()
-
-        async def send_and_time(message: Message) -> None:
-            nonlocal status_code, finished, breached
-            kind = message["type"]
-            if kind == "http.response.start":
-                status_code = message["status"]
-            elif kind == "http.response.body" and not message.get("more_body", False):
-                # The last chunk of the body, streaming or not: the response is complete, and
-                # the server span ends as this message goes out, so mark it now.
-                finished = time.perf_counter()
-                breached = durations.mark(span, template, finished - start)
-            await send(message)
-
-        failure: BaseException | None = None
-        token = LABELS.set(labels)
-        sync()
+        request.span = span
         try:
-            await self.app(scope, receive, send_and_time)
-        except BaseException as exc:
-            failure = exc
-            raise
-        finally:
-            LABELS.reset(token)
-            sync()
-            end = time.perf_counter() if finished is None else finished
-            durations.record(
-                end - start,
-                method=known_method(scope.get("method", "")),
-                route=template,
-                scheme=scope.get("scheme"),
-                status_code=status_code,
-                exc=failure,
-                span=span,
-                breached=breached,
+            labels = request_labels(span, request.name, with_trace_id=self.with_trace_id)
+            annotate_span(span, labels, request.template)
+        except Exception:
+            log_once(
+                "asgi-labels",
+                "spanprof: labelling a request failed; it runs unlabelled (logged once)",
             )
+            return
+        request.labels_token = LABELS.set(labels)
+        sync()
+
+
+def _leave(request: _Request) -> None:
+    # Resets _Labeller.enter's set, on every exit path of the request.
+    token = request.labels_token
+    if token is not None:
+        request.labels_token = None
+        LABELS.reset(token)
+        sync()
 
 
 class ProfilingMiddleware:
@@ -159,7 +148,8 @@ class ProfilingMiddleware:
             where ``trace_id`` becomes a series label.
         route_resolver: ``scope -> template or None`` for non-Starlette apps; default: match
             the Starlette/FastAPI routes of the app.
-        excluded_urls: comma-separated URL patterns to leave untraced (OpenTelemetry syntax).
+        excluded_urls: comma-separated URL patterns to leave untraced and unlabelled
+            (OpenTelemetry syntax); matching requests go straight to the app.
         meter_provider: where the ``http.server.request.duration`` histogram is recorded
             (default: the global provider). OTel's own ASGI metrics are not recorded, so there
             is exactly one duration stream.
@@ -198,19 +188,26 @@ class ProfilingMiddleware:
             environ=environ,
         )
         self._runtime = settings.runtime
+        self._durations = settings.durations
         self._resolve = route_resolver
-        self._labelled = _Labelled(
-            app, with_trace_id=settings.with_trace_id, durations=settings.durations
-        )
-        self._traced = OpenTelemetryMiddleware(
-            self._labelled,
-            excluded_urls=excluded_urls,
-            default_span_details=_span_details,
-            tracer_provider=tracer_provider,
-            # spanprof records its own request-duration histogram; OTel's would duplicate it.
-            meter_provider=NoOpMeterProvider(),
-            exclude_spans=["receive", "send"],
-        )
+        self._labeller = _Labeller(with_trace_id=settings.with_trace_id)
+        # Checked here, not by OpenTelemetry: an excluded request must not reach the app
+        # through OTel without a span, where its failure would look like OTel's own.
+        self._excluded = parse_excluded_urls(excluded_urls) if excluded_urls else None
+
+        def traced(inner: ASGIApp) -> OpenTelemetryMiddleware:
+            return OpenTelemetryMiddleware(
+                inner,
+                default_span_details=_span_details,
+                server_request_hook=self._labeller,
+                tracer_provider=tracer_provider,
+                # spanprof records its own request-duration histogram; OTel's would repeat it.
+                meter_provider=NoOpMeterProvider(),
+                exclude_spans=["receive", "send"],
+            )
+
+        self._traced = traced(app)
+        self._traced_sanitized = traced(_ServerScope(app))
 
     @property
     def profiler(self) -> ProfilerBackend | None:
@@ -230,6 +227,13 @@ class ProfilingMiddleware:
             )
             return None
 
+    def _is_excluded(self, scope: Scope) -> bool:
+        excluded = self._excluded
+        try:
+            return excluded is not None and bool(excluded.url_disabled(_host_port_url(scope)[2]))
+        except Exception:  # an undecodable Host header: OTel copes with it (see _sanitized)
+            return False
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind != "http" and kind != "websocket":
@@ -237,6 +241,9 @@ class ProfilingMiddleware:
                 await self._lifespan(scope, receive, send)
             else:
                 await self.app(scope, receive, send)
+            return
+        if self._excluded is not None and self._is_excluded(scope):
+            await self.app(scope, receive, send)
             return
         self._runtime.ensure_started()
         attach_loop()
@@ -249,26 +256,70 @@ class ProfilingMiddleware:
             # FastAPIInstrumentor or opentelemetry-instrument already opened the server span.
             current.update_name(name)
         request = _Request(name, template, scope)
+        # One coroutine for the whole request (each extra layer costs): timing, OTel, labels.
+        durations = self._durations
+        timed = kind == "http"
+        status_code: int | None = None
+        finished: float | None = None
+        breached: bool | None = None
+        start = time.perf_counter()
+        server_send = send
+
+        async def send_and_time(message: Message) -> None:
+            nonlocal status_code, finished, breached
+            kind = message["type"]
+            if kind == "http.response.start":
+                status_code = message["status"]
+            elif kind == "http.response.body" and not message.get("more_body", False):
+                # The last chunk of the body, streaming or not: the response is complete, and
+                # OTel ends the server span once this message has gone out, so mark it now.
+                finished = time.perf_counter()
+                span = request.span
+                if span is not None:
+                    breached = durations.mark(span, template, finished - start)
+            await server_send(message)
+
+        if timed:
+            send = send_and_time
+        failure: BaseException | None = None
         token = _REQUEST.set(request)
         try:
             if reused:
-                await self._labelled(scope, receive, send)
-                return
-            try:
-                await self._traced(scope, receive, send)
-            except Exception:
-                if request.entered:
-                    raise  # the app's own failure
-                # OpenTelemetry failed before the app ran (undecodable trace headers): the
-                # request must not. Retry with the headers it cannot read left out.
-                log_once(
-                    "otel-asgi-headers",
-                    "spanprof: OpenTelemetry's ASGI middleware failed on this request's "
-                    "headers; served it with those headers hidden from tracing (logged once)",
-                )
-                await self._traced(_sanitized(scope), receive, send)
+                self._labeller.enter(request, current)
+                await self.app(scope, receive, send)
+            else:
+                try:
+                    await self._traced(scope, receive, send)
+                except Exception:
+                    if request.span is not None:
+                        raise  # the app's own failure: the span started, the headers were fine
+                    # OpenTelemetry failed before the span started (undecodable trace
+                    # headers): the request must not. Retry with those headers left out.
+                    log_once(
+                        "otel-asgi-headers",
+                        "spanprof: OpenTelemetry's ASGI middleware failed on this request's "
+                        "headers; served it with those headers hidden from tracing (logged "
+                        "once)",
+                    )
+                    await self._traced_sanitized(_sanitized(scope), receive, send)
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
+            _leave(request)
             _REQUEST.reset(token)
+            if timed:
+                end = time.perf_counter() if finished is None else finished
+                durations.record(
+                    end - start,
+                    method=known_method(method),
+                    route=template,
+                    scheme=scope.get("scheme"),
+                    status_code=status_code,
+                    exc=failure,
+                    span=request.span or INVALID_SPAN,
+                    breached=breached,
+                )
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         runtime = self._runtime

@@ -107,13 +107,16 @@ _fork_hook_registered = False
 
 def apply(labels: LabelSet) -> None:
     """The calling thread now runs with ``labels``: push them if that is a change."""
+    backend = _backend
+    if backend is None:
+        # Nothing to tell, and nothing to remember: installing starts every thread afresh.
+        return
     state = _tls
     previous = state.labels
     if labels is previous:
         return
     state.labels = labels
-    backend = _backend
-    if backend is None or labels == previous:
+    if labels == previous:
         return
     try:
         backend.set_thread_labels(previous, labels)
