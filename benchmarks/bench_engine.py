@@ -159,8 +159,10 @@ def run(quick: bool) -> Section:
         "the thread's labels. *changed*: the two tasks carry different request label sets, so "
         "every step switches labels and pushes to the backend (pyroscope-io: 2 tag removes, 2 "
         "adds). *baseline*: the same tasks with no engine installed. The engine is installed "
-        "only around its own batches; asyncio is hooked through `Handle._run`, uvloop through "
-        f"the engine's task factory. {rounds} rounds, interleaved over loops and modes; times "
+        "only around its own batches; asyncio is hooked through `Handle._run` (with the C "
+        "extension, the hook runs asyncio's own handles itself instead of wrapping the Python "
+        "original, so it can cost less than no hook at all), uvloop through the engine's task "
+        f"factory. {rounds} rounds, interleaved over loops and modes; times "
         "are the loop thread's CPU time (`time.thread_time_ns`); "
         '"over baseline" is the median of per-round differences. The pyroscope-io rows come '
         "from a child process with the agent running (100 Hz, 1 s uploads to a `PushReceiver` "

@@ -23,6 +23,7 @@ from . import (
     bench_exact,
     bench_exemplar,
     bench_faults,
+    bench_instructions,
     bench_request,
 )
 from ._report import Section, machine_info, render
@@ -36,6 +37,7 @@ BENCHMARKS: dict[str, Callable[[bool], Section]] = {
     "faults": bench_faults.run,
     "exact": bench_exact.run,
     "accuracy": bench_accuracy.run,
+    "instructions": bench_instructions.run,
 }
 
 

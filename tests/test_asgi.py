@@ -412,6 +412,25 @@ def test_non_http_scopes_pass_through(tracer_provider: TracerProvider) -> None:
     assert seen == ["custom"]
 
 
+def _counted(
+    inner: Starlette, calls: list[str], tracer_provider: TracerProvider, **options: Any
+) -> ProfilingMiddleware:
+    """``inner`` under the middleware, appending each HTTP request's path to ``calls``."""
+
+    async def counting(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            calls.append(scope["path"])
+        await inner(scope, receive, send)
+
+    return ProfilingMiddleware(
+        counting,
+        profiler=None,
+        tracer_provider=tracer_provider,
+        route_resolver=lambda scope: starlette_route_template(scope, inner),
+        **options,
+    )
+
+
 def test_excluded_urls_are_neither_traced_nor_labelled(
     recorder: RecorderBackend,
     tracer_provider: TracerProvider,
@@ -419,20 +438,7 @@ def test_excluded_urls_are_neither_traced_nor_labelled(
 ) -> None:
     """excluded_urls leaves matching requests alone, and their failures are not retried."""
     calls: list[str] = []
-    inner = build_app(recorder)
-
-    async def counting(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            calls.append(scope["path"])
-        await inner(scope, receive, send)
-
-    app = ProfilingMiddleware(
-        counting,
-        profiler=None,
-        tracer_provider=tracer_provider,
-        excluded_urls="/items/.*,/boom",
-        route_resolver=lambda scope: starlette_route_template(scope, inner),
-    )
+    app = _counted(build_app(recorder), calls, tracer_provider, excluded_urls="/items/.*,/boom")
 
     async def main() -> tuple[dict[str, Any], int, int]:
         async with _client(app) as client:
@@ -464,18 +470,7 @@ def test_a_failure_to_label_never_fails_the_request(
 
     monkeypatch.setattr(_asgi, "request_labels", broken)
     calls: list[str] = []
-    inner = build_app(recorder)
-
-    async def counting(scope: Any, receive: Any, send: Any) -> None:
-        calls.append(scope["path"])
-        await inner(scope, receive, send)
-
-    app = ProfilingMiddleware(
-        counting,
-        profiler=None,
-        tracer_provider=tracer_provider,
-        route_resolver=lambda scope: starlette_route_template(scope, inner),
-    )
+    app = _counted(build_app(recorder), calls, tracer_provider)
 
     async def main() -> list[dict[str, Any]]:
         async with _client(app) as client:

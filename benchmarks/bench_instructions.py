@@ -1,0 +1,185 @@
+"""Instructions per request and per task step, counted by callgrind: the noise-free view.
+
+The CPU-time tables elsewhere swing by 10-20% between rounds on a shared machine, which is
+twice the per-request budget. Instruction counts do not depend on load: each case runs in a
+child under ``valgrind --tool=callgrind`` twice, with a small and a large count of requests (or
+steps), and the difference divided by the difference in count is the cost of one, free of
+start-up and import costs. Instructions are not nanoseconds (cache misses and branch
+mispredictions are not counted), but their ratios track CPU-time ratios closely for this kind
+of interpreter-bound code.
+
+Without valgrind on the machine the section says so and judges nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ._report import Section, Verdict, markdown_table
+from .bench_engine import TASKS
+
+__all__ = ["main", "run"]
+
+BUDGET = 1.05
+REQUEST_VARIANTS = ["bare", "otel_lean", "spanprof", "spanprof_recorder"]
+REQUEST_COUNTS = (500, 1500)
+ENGINE_CASES = [
+    ("asyncio", "baseline"),
+    ("asyncio", "unchanged"),
+    ("uvloop", "baseline"),
+    ("uvloop", "unchanged"),
+]
+STEP_COUNTS = (2000, 6000)
+
+_TOTALS = re.compile(r"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
+
+
+def _child_request(variant: str, count: int) -> None:
+    import spanprof
+
+    from .bench_request import _batch, _build, _check
+
+    built = _build(variant, None)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(_check(variant, built))
+        spanprof.uninstall_label_engine()
+        loop.run_until_complete(_batch(built, 200))  # warm-up: caches, first-request work
+        loop.run_until_complete(_batch(built, count))
+    finally:
+        loop.close()
+
+
+def _child_engine(loop_name: str, mode: str, steps: int) -> None:
+    import spanprof
+
+    from .bench_engine import LOOPS, _batch
+
+    loop = LOOPS[loop_name]()
+    try:
+        backend = spanprof.RecorderBackend(max_switches=16)
+        loop.run_until_complete(_batch(mode, backend, 100))
+        loop.run_until_complete(_batch(mode, backend, steps))
+    finally:
+        loop.close()
+
+
+def _count(args: list[str]) -> int:
+    """Instructions callgrind counted for ``python -m benchmarks.bench_instructions ARGS``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                f"--callgrind-out-file={out}",
+                sys.executable,
+                "-m",
+                "benchmarks.bench_instructions",
+                *args,
+            ],
+            check=True,
+            capture_output=True,
+            cwd=Path(__file__).resolve().parent.parent,
+            env={**os.environ, "PYTHONHASHSEED": "0"},
+        )
+        match = _TOTALS.search(out.read_text(encoding="utf-8", errors="replace"))
+        if match is None:
+            raise RuntimeError(f"no instruction total in callgrind's output for {args}")
+        return int(match.group(1))
+
+
+_Job = tuple["concurrent.futures.Future[int]", "concurrent.futures.Future[int]", tuple[int, int]]
+
+
+def _per_unit(pool: concurrent.futures.Executor, args: list[str], counts: tuple[int, int]) -> _Job:
+    small, large = (pool.submit(_count, [*args, str(n)]) for n in counts)
+    return small, large, counts
+
+
+def run(quick: bool) -> Section:
+    """Count instructions per request and per engine step (the same cases in quick mode)."""
+    section = Section("instructions", "Instructions per request and per task step (callgrind)")
+    if shutil.which("valgrind") is None:
+        section.body.append("Skipped: `valgrind` is not installed on this machine.")
+        return section
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        jobs = {
+            ("request", variant): _per_unit(pool, ["request", variant], REQUEST_COUNTS)
+            for variant in REQUEST_VARIANTS
+        }
+        jobs.update(
+            {
+                ("engine", f"{loop} {mode}"): _per_unit(pool, ["engine", loop, mode], STEP_COUNTS)
+                for loop, mode in ENGINE_CASES
+            }
+        )
+        per: dict[tuple[str, str], float] = {}
+        for key, (small, large, (n_small, n_large)) in jobs.items():
+            # Engine cases count steps per task; TASKS tasks take them.
+            units = (n_large - n_small) * (TASKS if key[0] == "engine" else 1)
+            per[key] = (large.result() - small.result()) / units
+
+    baseline = per[("request", "otel_lean")]
+    rows = []
+    for variant in REQUEST_VARIANTS:
+        value = per[("request", variant)]
+        rows.append(
+            [variant, f"{value:,.0f}", f"{value - baseline:+,.0f}", f"{value / baseline:.3f}"]
+        )
+    engine_rows = []
+    for loop, mode in ENGINE_CASES:
+        value = per[("engine", f"{loop} {mode}")]
+        base = per[("engine", f"{loop} baseline")]
+        engine_rows.append([loop, mode, f"{value:,.0f}", f"{value - base:+,.0f}"])
+    section.body += [
+        "Each number is (instructions with the large count - with the small count) / "
+        f"(difference in count): requests {REQUEST_COUNTS[0]} and {REQUEST_COUNTS[1]}; task "
+        f"steps {STEP_COUNTS[0]} and {STEP_COUNTS[1]} for each of the engine benchmark's "
+        f"{TASKS} tasks (labels as described there), so start-up and imports cancel out. "
+        "Same variants as the CPU-time tables: `otel_lean` is (c), spanprof's OTel "
+        "configuration alone; `spanprof` is (e), `spanprof_recorder` is (f).",
+        markdown_table(
+            ["variant", "instructions/request", "over (c)", "x (c)"],
+            rows,
+        ),
+        markdown_table(
+            ["loop", "labels", "instructions/step", "over baseline"],
+            engine_rows,
+        ),
+    ]
+    for variant, letter in (("spanprof", "e"), ("spanprof_recorder", "f")):
+        ratio = per[("request", variant)] / baseline
+        section.verdicts.append(
+            Verdict(
+                f"per request by instructions, ({letter}) {variant} ≤ {BUDGET:.2f} x OTel ASGI "
+                "alone (c)",
+                ratio <= BUDGET,
+                f"{ratio:.3f} x ({per[('request', variant)]:,.0f} vs {baseline:,.0f} "
+                "instructions/request)",
+            )
+        )
+    return section
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Child mode: ``request VARIANT COUNT`` or ``engine LOOP MODE STEPS``."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["request"] and len(args) == 3:
+        _child_request(args[1], int(args[2]))
+    elif args[:1] == ["engine"] and len(args) == 4:
+        _child_engine(args[1], args[2], int(args[3]))
+    else:
+        raise SystemExit("usage: bench_instructions request VARIANT N | engine LOOP MODE STEPS")
+
+
+if __name__ == "__main__":
+    main()
