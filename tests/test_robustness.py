@@ -101,6 +101,27 @@ def test_hostile_trace_headers_start_a_fresh_trace(
     assert labels["span_name"] == "GET /users/{user_id}"
 
 
+def test_the_app_gets_the_servers_headers_when_otel_cannot_read_them(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """The retry hides undecodable headers from OTel only: the app sees them, and runs once."""
+    calls: list[list[tuple[bytes, bytes]]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        calls.append(list(scope["headers"]))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        body = json.dumps(dict(current_labels())).encode()
+        await send({"type": "http.response.body", "body": body})
+
+    headers = [(b"x-weird\\", b"1"), (b"x-ok", b"2")]
+    middleware = ProfilingMiddleware(app, profiler=None, tracer_provider=tracer_provider)
+    status, body = asyncio.run(_call(middleware, _scope(b"/", headers)))
+    assert status == 200
+    assert calls == [headers]
+    (span,) = span_exporter.get_finished_spans()
+    assert json.loads(body)["span_id"] == format(span.context.span_id, "016x")
+
+
 def test_non_utf8_paths_and_odd_methods_are_served(
     tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
 ) -> None:

@@ -317,7 +317,7 @@ class ProfilingMiddleware:
                     scheme=scope.get("scheme"),
                     status_code=status_code,
                     exc=failure,
-                    span=request.span or INVALID_SPAN,
+                    span=request.span if request.span is not None else INVALID_SPAN,
                     breached=breached,
                 )
 
