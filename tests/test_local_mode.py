@@ -270,8 +270,17 @@ def test_flamegraph_of_a_span_holds_only_its_own_samples(run: LocalRun) -> None:
     for index in FAST:
         tree = get_json(f"{run.ui}/api/flamegraph?span_id={run.labels[index]['span_id']}")
         assert foreign_ns(tree["root"], marker_name(index)) <= lag_bound(tree["total_ns"])
+    # The tree holds exactly the span's samples: all of them at the root, and those with at
+    # least one frame below it (the agent occasionally sends a labelled sample without frames).
+    raw = httpx.get(
+        f"{run.ui}/api/pprof", params={"span_id": run.labels[SLOW]["span_id"]}, timeout=10
+    )
+    samples = decode_profile(raw.content).samples
     root = slow["root"]
-    assert root["value"] == sum(child["value"] for child in root["children"])
+    assert root["value"] == sum(s.value for s in samples)
+    assert sum(child["value"] for child in root["children"]) == sum(
+        s.value for s in samples if s.stack
+    )
 
 
 @pytest.mark.e2e
