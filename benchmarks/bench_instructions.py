@@ -29,7 +29,7 @@ from .bench_engine import TASKS
 __all__ = ["main", "run"]
 
 BUDGET = 1.05
-REQUEST_VARIANTS = ["bare", "otel_lean", "spanprof", "spanprof_recorder"]
+REQUEST_VARIANTS = ["bare", "otel_lean", "pyroscope_otel_lean", "spanprof", "spanprof_recorder"]
 REQUEST_COUNTS = (500, 1500)
 ENGINE_CASES = [
     ("asyncio", "baseline"),
@@ -146,7 +146,8 @@ def run(quick: bool) -> Section:
         f"steps {STEP_COUNTS[0]} and {STEP_COUNTS[1]} for each of the engine benchmark's "
         f"{TASKS} tasks (labels as described there), so start-up and imports cancel out. "
         "Same variants as the CPU-time tables: `otel_lean` is (c), spanprof's OTel "
-        "configuration alone; `spanprof` is (e), `spanprof_recorder` is (f).",
+        "configuration alone; `pyroscope_otel_lean` is (d'), (c) plus pyroscope-otel's span "
+        "processor; `spanprof` is (e), `spanprof_recorder` is (f).",
         markdown_table(
             ["variant", "instructions/request", "over (c)", "x (c)"],
             rows,
