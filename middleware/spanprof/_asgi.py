@@ -12,7 +12,7 @@ from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from opentelemetry.instrumentation.asgi import get_host_port_url_tuple as _untyped_url_tuple
 from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
 from opentelemetry.trace import INVALID_SPAN, Span, TracerProvider
-from opentelemetry.util.http import parse_excluded_urls
+from opentelemetry.util.http import ExcludeList, parse_excluded_urls
 
 from ._backend import ProfilerBackend
 from ._engine import attach_loop, sync
@@ -227,10 +227,10 @@ class ProfilingMiddleware:
             )
             return None
 
-    def _is_excluded(self, scope: Scope) -> bool:
-        excluded = self._excluded
+    @staticmethod
+    def _is_excluded(excluded: ExcludeList, scope: Scope) -> bool:
         try:
-            return excluded is not None and bool(excluded.url_disabled(_host_port_url(scope)[2]))
+            return bool(excluded.url_disabled(_host_port_url(scope)[2]))
         except Exception:  # an undecodable Host header: OTel copes with it (see _sanitized)
             return False
 
@@ -242,7 +242,8 @@ class ProfilingMiddleware:
             else:
                 await self.app(scope, receive, send)
             return
-        if self._excluded is not None and self._is_excluded(scope):
+        excluded = self._excluded
+        if excluded is not None and self._is_excluded(excluded, scope):
             await self.app(scope, receive, send)
             return
         self._runtime.ensure_started()
