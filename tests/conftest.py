@@ -22,6 +22,18 @@ LOOPS = ["asyncio", "uvloop"]
 # Under CI a test that needs a component the machine lacks must fail, not skip.
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# Every Pyroscope agent variable set, as a deployment would: the backends read all of them.
+AGENT_ENV = {
+    "PYROSCOPE_SERVER_ADDRESS": "http://pyroscope:4040/",
+    "OTEL_SERVICE_NAME": "checkout",
+    "PYROSCOPE_UPLOAD_INTERVAL": "15s",
+    "PYROSCOPE_SAMPLE_RATE": "97",
+    "PYROSCOPE_TENANT_ID": "team-a",
+    "PYROSCOPE_BASIC_AUTH_USER": "u",
+    "PYROSCOPE_BASIC_AUTH_PASSWORD": "p",
+    "PYROSCOPE_LABELS": "region=eu-west-1, zone = b",
+}
+
 
 def require(condition: bool, reason: str) -> None:
     """Skip locally, fail under CI, when a test's component is missing."""

@@ -7,6 +7,8 @@ import pytest
 from spanprof import ProfilingMiddleware, PyroscopeBackend
 from spanprof._types import Receive, Scope, Send
 
+from .conftest import AGENT_ENV
+
 
 async def _app(scope: Scope, receive: Receive, send: Send) -> None:
     return None
@@ -51,18 +53,7 @@ def test_bad_environment_names_the_variable(environ: dict[str, str], setting: st
 
 def test_environment_configures_the_pyroscope_backend() -> None:
     """The Pyroscope agents' variables map onto the backend, OTEL_SERVICE_NAME as fallback."""
-    backend = PyroscopeBackend.from_env(
-        {
-            "PYROSCOPE_SERVER_ADDRESS": "http://pyroscope:4040/",
-            "OTEL_SERVICE_NAME": "checkout",
-            "PYROSCOPE_UPLOAD_INTERVAL": "15s",
-            "PYROSCOPE_SAMPLE_RATE": "97",
-            "PYROSCOPE_TENANT_ID": "team-a",
-            "PYROSCOPE_BASIC_AUTH_USER": "u",
-            "PYROSCOPE_BASIC_AUTH_PASSWORD": "p",
-            "PYROSCOPE_LABELS": "region=eu-west-1, zone = b",
-        }
-    )
+    backend = PyroscopeBackend.from_env(AGENT_ENV)
     assert backend is not None
     assert backend.server_address == "http://pyroscope:4040"
     assert backend.application_name == "checkout"

@@ -38,7 +38,7 @@ from spanprof._sampler import (
 )
 from spanprof._scope import labels_scope
 
-from .conftest import require, run_on
+from .conftest import AGENT_ENV, require, run_on
 from .e2e.markers import MARKERS, marker_index
 from .e2e.server import ROOT, free_port
 from .recording_server import PostedRequest, RecordingServer
@@ -596,23 +596,29 @@ thread.join()
 """
 
 
+def _run_script(
+    path: Path, source: str, server_url: str, *python_options: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``source`` as a script with the repository importable, pushing to ``server_url``."""
+    path.write_text(textwrap.dedent(source))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}"}
+    return subprocess.run(
+        [sys.executable, *python_options, str(path), server_url],
+        capture_output=True,
+        text=True,
+        timeout=45,
+        env=env,
+        cwd=ROOT,
+    )
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_exact_backend_falls_back_to_pyroscope_outside_the_main_thread(tmp_path: Path) -> None:
     """Started from a loop in another thread: a warning says why, pyroscope-io profiles."""
     require(LINUX, "the exact sampler needs Linux thread CPU clocks")
-    script = tmp_path / "fallback.py"
-    script.write_text(textwrap.dedent(_FALLBACK_SCRIPT))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}"}
     with PushReceiver() as receiver:
-        proc = subprocess.run(
-            [sys.executable, str(script), receiver.url],
-            capture_output=True,
-            text=True,
-            timeout=45,
-            env=env,
-            cwd=ROOT,
-        )
+        proc = _run_script(tmp_path / "fallback.py", _FALLBACK_SCRIPT, receiver.url)
         assert proc.returncode == 0, proc.stderr
         pushes = receiver.received_pushes()
         samples = [s for s in receiver.samples() if s.has_function("burn_request_09")]
@@ -660,17 +666,9 @@ print("parent", backend.mode, flush=True)
 def test_exact_backend_starts_again_in_a_forked_child(tmp_path: Path) -> None:
     """A forked worker samples and pushes on its own; the parent's window is not sent twice."""
     require(LINUX, "the exact sampler needs Linux thread CPU clocks")
-    script = tmp_path / "fork.py"
-    script.write_text(textwrap.dedent(_FORK_SCRIPT))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}"}
     with PushReceiver() as receiver:
-        proc = subprocess.run(
-            [sys.executable, "-W", "ignore::DeprecationWarning", str(script), receiver.url],
-            capture_output=True,
-            text=True,
-            timeout=45,
-            env=env,
-            cwd=ROOT,
+        proc = _run_script(
+            tmp_path / "fork.py", _FORK_SCRIPT, receiver.url, "-W", "ignore::DeprecationWarning"
         )
         assert proc.returncode == 0, proc.stderr
         samples = receiver.samples()
@@ -693,22 +691,11 @@ def test_exact_backend_starts_again_in_a_forked_child(tmp_path: Path) -> None:
 
 # --- configuration -------------------------------------------------------------------------------
 
-_ENV = {
-    "PYROSCOPE_SERVER_ADDRESS": "http://pyroscope:4040/",
-    "OTEL_SERVICE_NAME": "checkout",
-    "PYROSCOPE_UPLOAD_INTERVAL": "15s",
-    "PYROSCOPE_SAMPLE_RATE": "97",
-    "PYROSCOPE_TENANT_ID": "team-a",
-    "PYROSCOPE_BASIC_AUTH_USER": "u",
-    "PYROSCOPE_BASIC_AUTH_PASSWORD": "p",
-    "PYROSCOPE_LABELS": "region=eu-west-1, zone = b",
-}
-
 
 def test_exact_backend_reads_the_same_variables_as_pyroscope() -> None:
     """Every PYROSCOPE_* variable means the same for both backends; the clock is extra."""
-    exact = ExactBackend.from_env({**_ENV, "SPANPROF_PROFILE_CLOCK": "wall"})
-    agent = PyroscopeBackend.from_env(_ENV)
+    exact = ExactBackend.from_env({**AGENT_ENV, "SPANPROF_PROFILE_CLOCK": "wall"})
+    agent = PyroscopeBackend.from_env(AGENT_ENV)
     assert exact is not None
     assert agent is not None
     for name in (
@@ -729,9 +716,9 @@ def test_exact_backend_reads_the_same_variables_as_pyroscope() -> None:
 @pytest.mark.parametrize(
     ("environ", "variable"),
     [
-        ({**_ENV, "SPANPROF_PROFILER": "perf"}, "SPANPROF_PROFILER"),
-        ({**_ENV, "SPANPROF_PROFILER": "exact", "SPANPROF_PROFILE_CLOCK": "gpu"}, "CLOCK"),
-        ({**_ENV, "SPANPROF_PROFILER": "exact", "PYROSCOPE_SAMPLE_RATE": "0"}, "SAMPLE_RATE"),
+        ({**AGENT_ENV, "SPANPROF_PROFILER": "perf"}, "SPANPROF_PROFILER"),
+        ({**AGENT_ENV, "SPANPROF_PROFILER": "exact", "SPANPROF_PROFILE_CLOCK": "gpu"}, "CLOCK"),
+        ({**AGENT_ENV, "SPANPROF_PROFILER": "exact", "PYROSCOPE_SAMPLE_RATE": "0"}, "SAMPLE_RATE"),
     ],
 )
 def test_bad_profiler_settings_name_the_variable(environ: dict[str, str], variable: str) -> None:
@@ -742,9 +729,10 @@ def test_bad_profiler_settings_name_the_variable(environ: dict[str, str], variab
 
 def test_profiler_from_env_selects_the_backend() -> None:
     """pyroscope-io by default, the exact profiler with SPANPROF_PROFILER=exact."""
-    assert isinstance(profiler_from_env(_ENV), PyroscopeBackend)
-    assert isinstance(profiler_from_env({**_ENV, "SPANPROF_PROFILER": " Exact "}), ExactBackend)
+    assert isinstance(profiler_from_env(AGENT_ENV), PyroscopeBackend)
+    exact = profiler_from_env({**AGENT_ENV, "SPANPROF_PROFILER": " Exact "})
+    assert isinstance(exact, ExactBackend)
     assert isinstance(
-        profiler_from_env({**_ENV, "SPANPROF_PROFILER": "pyroscope"}), PyroscopeBackend
+        profiler_from_env({**AGENT_ENV, "SPANPROF_PROFILER": "pyroscope"}), PyroscopeBackend
     )
     assert profiler_from_env({"SPANPROF_PROFILER": "exact"}) is None
