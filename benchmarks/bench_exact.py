@@ -35,8 +35,8 @@ from tests.e2e.analysis import Attribution, attribute
 from tests.e2e.server import free_port, serve, uvicorn_argv
 
 from spanprof._receiver import PushReceiver
-from spanprof._types import Message
 
+from ._child import ROOT
 from ._report import Section, Spread, Verdict, markdown_table, paired_ratios
 
 __all__ = ["CONCURRENCY", "main", "run"]
@@ -45,7 +45,6 @@ CONCURRENCY = 16
 THROUGHPUT_BUDGET = 0.97
 STALL_BUDGET_US = 300.0
 EXPORT_BUDGET_US = 2000.0
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # --- attribution, side by side -----------------------------------------------------------------
@@ -137,34 +136,17 @@ def _attribution_rows(outcomes: list[Outcome]) -> list[list[str]]:
 
 # --- cost, in a child process --------------------------------------------------------------------
 
-SCOPE: dict[str, Any] = {
-    "type": "http",
-    "asgi": {"version": "3.0", "spec_version": "2.3"},
-    "http_version": "1.1",
-    "method": "GET",
-    "scheme": "http",
-    "path": "/items/42",
-    "raw_path": b"/items/42",
-    "root_path": "",
-    "query_string": b"",
-    "headers": [(b"host", b"bench.local")],
-    "server": ("127.0.0.1", 8000),
-    "client": ("127.0.0.1", 50000),
-}
-_REQUEST: Message = {"type": "http.request", "body": b"", "more_body": False}
-
 
 def _child(argv: list[str]) -> None:
     """Child mode: measure no profiler vs the exact profiler, interleaved; write JSON."""
     from opentelemetry.sdk.trace import TracerProvider
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import PlainTextResponse, Response
-    from starlette.routing import Route
 
     import spanprof
     from spanprof._exact import ExactBackend
     from spanprof._runtime import ProfilerRuntime
+
+    # The per-request benchmark's app and request, so both measure the same thing.
+    from .bench_request import SCOPE, _discard, _receive, _starlette
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--child", action="store_true", required=True)
@@ -174,11 +156,8 @@ def _child(argv: list[str]) -> None:
     parser.add_argument("--size", type=int, required=True)
     args = parser.parse_args(argv)
 
-    async def item(request: Request) -> Response:
-        return PlainTextResponse(f"item {request.path_params['item_id']}")
-
     app = spanprof.ProfilingMiddleware(
-        Starlette(routes=[Route("/items/{item_id}", item)]),
+        _starlette(),
         profiler=None,
         tracer_provider=TracerProvider(),
         environ={},
@@ -188,16 +167,10 @@ def _child(argv: list[str]) -> None:
     )
     runtime = ProfilerRuntime(backend)
 
-    async def receive() -> Message:
-        return _REQUEST
-
-    async def discard(message: Message) -> None:
-        return None
-
     async def drive(count: int) -> tuple[int, int]:
         cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
         for _ in range(count):
-            await app(dict(SCOPE), receive, discard)
+            await app(dict(SCOPE), _receive, _discard)
         return time.thread_time_ns() - cpu, time.perf_counter_ns() - wall
 
     loop = asyncio.new_event_loop()
