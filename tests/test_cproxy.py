@@ -626,10 +626,9 @@ def test_handle_hook_pushes_only_changes_then_runs_the_handle(state_kind: str) -
     assert events == [a, *runs[:2], b, runs[2], EMPTY, runs[3], b, runs[4], a, *runs[5:]]
 
 
-def test_handle_hook_keeps_asyncio_error_handling() -> None:
+def test_handle_hook_keeps_asyncio_error_handling(recorder: RecorderBackend) -> None:
     """A failing callback still reaches the loop's exception handler, with its labels applied."""
     hook_type()
-    recorder = RecorderBackend()
     seen: list[tuple[object, LabelSet]] = []
 
     def fail() -> None:
@@ -645,11 +644,7 @@ def test_handle_hook_keeps_asyncio_error_handling() -> None:
         await asyncio.sleep(0)
         await asyncio.sleep(0)
 
-    _engine.install_label_engine(recorder)
-    try:
-        run_on("asyncio", main)
-    finally:
-        _engine.uninstall_label_engine()
+    run_on("asyncio", main)
     assert len(seen) == 1
     assert isinstance(seen[0][0], Boom)
     assert seen[0][1] == LabelSet({"req": "x"})
@@ -796,10 +791,9 @@ def test_hooked_handles_let_exit_exceptions_through(exc_type: type[BaseException
         _engine.uninstall_label_engine()
 
 
-def test_hooked_handles_run_callbacks_that_cancel_themselves() -> None:
+def test_hooked_handles_run_callbacks_that_cancel_themselves(recorder: RecorderBackend) -> None:
     """A callback that cancels its own handle (dropping its slots) runs and ends cleanly."""
     hook_type()
-    recorder = RecorderBackend()
     ran: list[tuple[object, ...]] = []
     handles: list[asyncio.Handle] = []
 
@@ -814,11 +808,7 @@ def test_hooked_handles_run_callbacks_that_cancel_themselves() -> None:
         await asyncio.sleep(0)
         await asyncio.sleep(0)
 
-    _engine.install_label_engine(recorder)
-    try:
-        run_on("asyncio", main)
-    finally:
-        _engine.uninstall_label_engine()
+    run_on("asyncio", main)
     assert ran == [("x", ("y",), 3)]
     assert handles[0].cancelled()
     assert (threading.get_ident(), LabelSet({"req": "self-cancelling"})) in recorder.switches
