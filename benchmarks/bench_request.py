@@ -43,16 +43,18 @@ __all__ = ["BUDGET", "main", "run"]
 BUDGET = 1.05
 """spanprof may cost at most 5% more per request than OTel ASGI alone."""
 
-BASELINE = "otel_lean"
-OTEL_DEFAULTS = "otel"
+# The issue's "OTel ASGI middleware only": what an app would otherwise deploy.
+BASELINE = "otel"
+# OTel ASGI configured exactly as spanprof configures it: spanprof's own additions, alone.
+LIKE_FOR_LIKE = "otel_lean"
 
 # (description, short letter used in the issue's brief)
 DESCRIPTIONS: dict[str, tuple[str, str]] = {
     "bare": ("bare Starlette app", "a"),
-    "otel": ("OTel ASGI middleware, defaults", "b"),
+    "otel": ("OTel ASGI middleware only, defaults (**the budget's baseline**)", "b"),
     "otel_lean": (
         'OTel ASGI, `exclude_spans=["receive", "send"]`, NoOp meter provider '
-        "(spanprof's OTel configuration: **the baseline**)",
+        "(spanprof's own OTel configuration: like for like)",
         "c",
     ),
     "pyroscope_otel": ("OTel ASGI defaults + pyroscope-otel `PyroscopeSpanProcessor`", "d"),
@@ -260,14 +262,14 @@ def _rows(results: dict[str, list[float]]) -> list[list[str]]:
     rows = []
     for name, values in results.items():
         description, letter = DESCRIPTIONS[name]
-        vs_c = paired_ratios(values, results[BASELINE])
-        vs_b = paired_ratios(values, results[OTEL_DEFAULTS])
+        vs_b = paired_ratios(values, results[BASELINE])
+        vs_c = paired_ratios(values, results[LIKE_FOR_LIKE])
         rows.append(
             [
                 f"({letter}) {description}",
                 Spread.of(values).format(1),
-                f"{vs_c.median:.3f} ({vs_c.q1:.3f}..{vs_c.q3:.3f})",
                 f"{vs_b.median:.3f} ({vs_b.q1:.3f}..{vs_b.q3:.3f})",
+                f"{vs_c.median:.3f} ({vs_c.q1:.3f}..{vs_c.q3:.3f})",
             ]
         )
     return rows
@@ -276,8 +278,8 @@ def _rows(results: dict[str, list[float]]) -> list[list[str]]:
 _HEADERS = [
     "variant",
     "CPU µs/request: median (IQR; min..max)",
-    "x (c): median (IQR)",
     "x (b): median (IQR)",
+    "x (c): median (IQR)",
 ]
 
 
@@ -291,8 +293,7 @@ def _verdict(
     description, letter = DESCRIPTIONS[name]
     base_letter = DESCRIPTIONS[baseline][1]
     return Verdict(
-        f"per request, ({letter}) {description} ≤ {BUDGET:.2f} x OTel ASGI alone "
-        f"({base_letter}, {where})",
+        f"per request, ({letter}) {description} ≤ {BUDGET:.2f} x ({base_letter}) {where}",
         passed,
         f"{ratio.median:.3f} x (IQR {ratio.q1:.3f}..{ratio.q3:.3f}), {extra:+.1f} µs/request{over}",
     )
@@ -306,6 +307,7 @@ def run(quick: bool) -> Section:
     agent, sink = run_child(
         "benchmarks.bench_request", ["--rounds", str(rounds), "--size", str(count)]
     )
+    like = paired_ratios(local["spanprof"], local[LIKE_FOR_LIKE]).median
     section.body += [
         "One Starlette route, `GET /items/{item_id}` answering a 7-byte `PlainTextResponse`, "
         "driven by `await app(scope, receive, send)` in a loop on an asyncio loop: no HTTP, no "
@@ -321,22 +323,37 @@ def run(quick: bool) -> Section:
         "unconfigured agent, which costs about as much per call as a running one):",
         markdown_table(_HEADERS, _rows(local)),
         "**In a child process with the pyroscope-io agent running** (100 Hz, 1 s uploads to a "
-        "`PushReceiver` in the parent), with its own baselines (c) and (b). " + sink.describe(),
+        "`PushReceiver` in the parent), with its own baselines (b) and (c). " + sink.describe(),
         markdown_table(_HEADERS, _rows({k: list(v) for k, v in agent.items()})),
-        "spanprof's extra work per request over (c): resolve the route template before the app "
-        "routes (span name and `span_name` label must not be the raw path), build the label set "
-        "(hex span and trace ids), set two span attributes, set/reset the labels ContextVar, "
-        "and record its own request-duration histogram (to the global meter provider, here the "
-        "API's no-op one; (c) records none); with a backend, push the labels to the profiler "
-        "at entry and exit (3 tag adds and 3 removes with pyroscope-io). The label engine's "
-        "per-step cost, which a real request pays on each of its task steps, is measured "
-        "separately below.",
+        "**The budget's baseline is (b)**, the issue's \"OTel ASGI middleware only\": "
+        "`OpenTelemetryMiddleware(app)` as an app would deploy it instead of spanprof. spanprof "
+        "opens its span through that same middleware but leaves out OTel's internal span per "
+        "ASGI `receive`/`send` message and OTel's own metrics (it records one duration "
+        "histogram instead), which is why it costs less than (b).",
+        "**Like for like, (c)** is OTel ASGI configured exactly as spanprof configures it, so "
+        "the x (c) column is spanprof's own additions: resolve the route template before the "
+        "app routes (span name and `span_name` label must not be the raw path), build the "
+        "label set (hex span and trace ids), set the two span attributes the issue requires "
+        "(`pyroscope.profile.id`, `http.route`), set/reset the labels ContextVar, and record "
+        "the request-duration histogram (to the global meter provider, here the API's no-op "
+        "one); with a backend, push the labels to the profiler at entry and exit (3 tag adds "
+        f"and 3 removes with pyroscope-io). Here (e) is {like:.3f} x (c): those additions cost "
+        f"{'more than' if like > BUDGET else 'at most'} {BUDGET - 1:.0%} of (c). The callgrind "
+        "section below splits them: the two "
+        "attributes and the label set alone, through the SDK's public API, are about 4% of (c), "
+        "and pyroscope-otel's span processor (one attribute and a few thread-tag calls) adds "
+        "about 6% to the same (c) as (d'). The label engine's per-step cost, which a real "
+        "request pays on each of its task steps, is measured separately below.",
     ]
     section.verdicts += [
-        _verdict("spanprof", local, "same process"),
-        _verdict("spanprof_recorder", local, "same process"),
-        _verdict("spanprof_pyroscope", agent, "same child process, agent running"),
-        _verdict("spanprof_metrics", local, "both recording metrics to an SDK", "otel_metrics"),
+        _verdict("spanprof", local, "OTel ASGI middleware only, same process"),
+        _verdict("spanprof_recorder", local, "OTel ASGI middleware only, same process"),
+        _verdict(
+            "spanprof_pyroscope", agent, "OTel ASGI middleware only, same child, agent running"
+        ),
+        _verdict(
+            "spanprof_metrics", local, "OTel ASGI, both recording metrics to an SDK", "otel_metrics"
+        ),
     ]
     return section
 
@@ -346,7 +363,7 @@ def _profile(count: int) -> None:
     loop = asyncio.new_event_loop()
     stats: dict[str, pstats.Stats] = {}
     try:
-        for name in (BASELINE, "spanprof"):
+        for name in (LIKE_FOR_LIKE, "spanprof"):
             variant = _build(name, None)
             loop.run_until_complete(_batch(variant, 200))
             # CPU time, so preemption by other processes does not land on random functions.
@@ -361,7 +378,7 @@ def _profile(count: int) -> None:
     for name, stat in stats.items():
         raw: dict[tuple[str, int, str], tuple[Any, ...]] = stat.stats  # type: ignore[attr-defined]
         totals[name] = {func: entry[2] for func, entry in raw.items()}
-    base, ours = totals[BASELINE], totals["spanprof"]
+    base, ours = totals[LIKE_FOR_LIKE], totals["spanprof"]
     diff = sorted(
         ((ours.get(f, 0.0) - base.get(f, 0.0), f) for f in set(base) | set(ours)),
         reverse=True,
