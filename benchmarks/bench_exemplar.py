@@ -24,8 +24,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import INVALID_SPAN, set_span_in_context
 
+from spanprof import SloPolicy
 from spanprof._duration import DURATION_BUCKETS, DurationRecorder
-from spanprof._slo import SloPolicy
 
 from ._report import Section, Spread, Verdict, markdown_table
 

@@ -32,14 +32,13 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
-from opentelemetry import metrics, propagate, trace
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.concurrency import run_in_threadpool
 
 import spanprof
+
+from .telemetry import setup_telemetry
 
 __all__ = [
     "app",
@@ -48,7 +47,6 @@ __all__ = [
     "recompute_promotions",
     "render_report",
     "score_documents",
-    "setup_telemetry",
     "stretch_key",
 ]
 
@@ -56,30 +54,6 @@ SERVICE_NAME = "sample-fastapi"
 DEFAULT_FLASK_URL = "http://127.0.0.1:8002"
 SHARDS = ("eu-west", "us-east", "ap-south")
 MAX_BODY = 64 * 1024
-
-
-def setup_telemetry(service_name: str, environ: Mapping[str, str] = os.environ) -> None:
-    """Install SDK tracer and meter providers unless the process already has a tracer provider.
-
-    With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, spans and metrics (the request-duration histogram
-    with its SLO-breach exemplars) go out over OTLP/HTTP; without it, spans stay in process
-    (``spanprof dev`` adds its own span processor to this provider).
-    """
-    if isinstance(trace.get_tracer_provider(), TracerProvider):
-        return  # spanprof dev, a test or an outer setup owns tracing
-    named = bool(environ.get("OTEL_SERVICE_NAME"))
-    resource = Resource.create({} if named else {"service.name": service_name})
-    provider = TracerProvider(resource=resource)
-    if environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        reader = PeriodicExportingMetricReader(OTLPMetricExporter())
-        metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[reader]))
-    trace.set_tracer_provider(provider)
 
 
 # -- POST /hash: CPU on the event loop ---------------------------------------------------------

@@ -20,40 +20,15 @@ from typing import Any
 
 from flask import Flask, jsonify
 from flask.typing import ResponseReturnValue
-from opentelemetry import metrics, trace
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
-from spanprof import FROM_ENV, ProfilerBackend
-from spanprof._wsgi import WSGIProfilingMiddleware
+from spanprof import FROM_ENV, ProfilerBackend, WSGIProfilingMiddleware
 
-__all__ = ["app", "create_app", "lookup_stock", "reconcile_ledger", "setup_telemetry"]
+from .telemetry import setup_telemetry
+
+__all__ = ["app", "create_app", "lookup_stock", "reconcile_ledger"]
 
 SERVICE_NAME = "sample-flask"
-
-
-def setup_telemetry(service_name: str, environ: Mapping[str, str] = os.environ) -> None:
-    """Install SDK tracer and meter providers unless the process already has a tracer provider.
-
-    With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, spans and metrics go out over OTLP/HTTP; without
-    it, spans stay in process (``spanprof dev`` adds its own span processor to this provider).
-    """
-    if isinstance(trace.get_tracer_provider(), TracerProvider):
-        return  # spanprof dev, a test or an outer setup owns tracing
-    named = bool(environ.get("OTEL_SERVICE_NAME"))
-    resource = Resource.create({} if named else {"service.name": service_name})
-    provider = TracerProvider(resource=resource)
-    if environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        reader = PeriodicExportingMetricReader(OTLPMetricExporter())
-        metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[reader]))
-    trace.set_tracer_provider(provider)
 
 
 def lookup_stock(sku: str, warehouses: int = 12) -> dict[str, int]:

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from spanprof._slo import SloPolicy
+from spanprof import SloPolicy
 
 from .conftest import require
 

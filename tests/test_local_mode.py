@@ -78,7 +78,7 @@ def make_app() -> ProfilingMiddleware:
 
 def make_wsgi_app() -> Any:
     """The WSGI app for the local mode's WSGI path: the same markers, run by a thread."""
-    from spanprof._wsgi import WSGIProfilingMiddleware
+    from spanprof import WSGIProfilingMiddleware
 
     def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
         path = str(environ.get("PATH_INFO", ""))

@@ -24,9 +24,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import spanprof
-from spanprof import RecorderBackend, current_labels, profile_labels
-from spanprof._greenlets import install_greenlet_labels, uninstall_greenlet_labels
-from spanprof._wsgi import WSGIProfilingMiddleware
+from spanprof import (
+    RecorderBackend,
+    WSGIProfilingMiddleware,
+    current_labels,
+    install_greenlet_labels,
+    profile_labels,
+    uninstall_greenlet_labels,
+)
 
 from .conftest import require
 from .e2e import django_project

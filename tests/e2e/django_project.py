@@ -17,8 +17,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.urls import include, path, re_path
 
 import spanprof
-from spanprof import RecorderBackend, current_labels
-from spanprof._wsgi import WSGIProfilingMiddleware
+from spanprof import RecorderBackend, WSGIProfilingMiddleware, current_labels
 
 from .markers import MARKERS
 

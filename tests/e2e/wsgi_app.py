@@ -19,9 +19,12 @@ from flask import Flask, Response
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from spanprof import PyroscopeBackend, current_labels
-from spanprof._greenlets import install_greenlet_labels
-from spanprof._wsgi import WSGIProfilingMiddleware
+from spanprof import (
+    PyroscopeBackend,
+    WSGIProfilingMiddleware,
+    current_labels,
+    install_greenlet_labels,
+)
 
 from .markers import MARKERS
 
