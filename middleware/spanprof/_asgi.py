@@ -15,7 +15,7 @@ from opentelemetry.trace import INVALID_SPAN, Span, TracerProvider
 from opentelemetry.util.http import ExcludeList, parse_excluded_urls
 
 from ._backend import ProfilerBackend
-from ._engine import attach_loop, sync
+from ._engine import apply, attach_loop
 from ._labelset import LABELS, LabelSet
 from ._logging import log_once
 from ._prometheus import PrometheusMetrics
@@ -110,7 +110,7 @@ class _Labeller:
             )
             return
         request.labels_token = LABELS.set(labels)
-        sync()
+        apply(labels)
 
 
 def _leave(request: _Request) -> None:
@@ -119,7 +119,7 @@ def _leave(request: _Request) -> None:
     if token is not None:
         request.labels_token = None
         LABELS.reset(token)
-        sync()
+        apply(LABELS.get())
 
 
 class ProfilingMiddleware:

@@ -116,7 +116,8 @@ def apply(labels: LabelSet) -> None:
     if labels is previous:
         return
     state.labels = labels
-    if labels == previous:
+    # The dicts compared directly: LabelSet.__eq__ would add a Python call to every switch.
+    if labels._map == previous._map:
         return
     try:
         backend.set_thread_labels(previous, labels)
