@@ -412,7 +412,8 @@ def run(quick: bool) -> Section:
         f"{pushes} uploads received). Throughput ratio = per-request time without / with, "
         "median of per-round ratios (CPU: the driving thread's CPU time, which includes the "
         "signal handler; wall: includes the upload thread's GIL time). The label engine is "
-        "installed with its per-step hooks, as `ProfilerRuntime` does today. Without HTTP the "
+        "installed as `ProfilerRuntime` does; the sampler reads the loop thread's labels from "
+        "its context, so the engine pushes nothing for that thread's steps. Without HTTP the "
         "request is 3-4 times cheaper than over uvicorn, so this is the profiler's worst "
         "relative cost.",
         markdown_table(

@@ -43,11 +43,17 @@ ABLATIONS = {
     "labels": "building the label set (hex span and trace ids, merge over enclosing labels)",
 }
 REQUEST_COUNTS = (500, 1500)
+# (loop, labels mode, backend): "recorder" pushes every switch; "context" reads the main
+# thread's labels from the running context itself, as ExactBackend does when sampling exactly.
 ENGINE_CASES = [
-    ("asyncio", "baseline"),
-    ("asyncio", "unchanged"),
-    ("uvloop", "baseline"),
-    ("uvloop", "unchanged"),
+    (loop, mode, backend)
+    for loop in ("asyncio", "uvloop")
+    for mode, backend in (
+        ("baseline", "recorder"),
+        ("unchanged", "recorder"),
+        ("changed", "recorder"),
+        ("changed", "context"),
+    )
 ]
 STEP_COUNTS = (2000, 6000)
 
@@ -90,14 +96,18 @@ def _child_request(variant: str, count: int) -> None:
         loop.close()
 
 
-def _child_engine(loop_name: str, mode: str, steps: int) -> None:
+def _child_engine(loop_name: str, mode: str, backend_name: str, steps: int) -> None:
     import spanprof
 
     from .bench_engine import LOOPS, _batch
 
+    class ReadsContext(spanprof.RecorderBackend):
+        needs_step_hooks = False
+
     loop = LOOPS[loop_name]()
     try:
-        backend = spanprof.RecorderBackend(max_switches=16)
+        kind = ReadsContext if backend_name == "context" else spanprof.RecorderBackend
+        backend = kind(max_switches=16)
         loop.run_until_complete(_batch(mode, backend, 100))
         loop.run_until_complete(_batch(mode, backend, steps))
     finally:
@@ -150,8 +160,10 @@ def run(quick: bool) -> Section:
         }
         jobs.update(
             {
-                ("engine", f"{loop} {mode}"): _per_unit(pool, ["engine", loop, mode], STEP_COUNTS)
-                for loop, mode in ENGINE_CASES
+                ("engine", f"{loop} {mode} {backend}"): _per_unit(
+                    pool, ["engine", loop, mode, backend], STEP_COUNTS
+                )
+                for loop, mode, backend in ENGINE_CASES
             }
         )
         per: dict[tuple[str, str], float] = {}
@@ -180,10 +192,11 @@ def run(quick: bool) -> Section:
         cost = spanprof - per[("request", f"spanprof-{piece}")]
         piece_rows.append([description, f"{cost:,.0f}", f"{cost / like:.1%}"])
     engine_rows = []
-    for loop, mode in ENGINE_CASES:
-        value = per[("engine", f"{loop} {mode}")]
-        base = per[("engine", f"{loop} baseline")]
-        engine_rows.append([loop, mode, f"{value:,.0f}", f"{value - base:+,.0f}"])
+    for loop, mode, backend in ENGINE_CASES:
+        value = per[("engine", f"{loop} {mode} {backend}")]
+        base = per[("engine", f"{loop} baseline recorder")]
+        shown = "(no engine)" if mode == "baseline" else backend
+        engine_rows.append([loop, mode, shown, f"{value:,.0f}", f"{value - base:+,.0f}"])
     section.body += [
         "Each number is (instructions with the large count - with the small count) / "
         f"(difference in count): requests {REQUEST_COUNTS[0]} and {REQUEST_COUNTS[1]}; task "
@@ -192,7 +205,10 @@ def run(quick: bool) -> Section:
         "Same variants as the CPU-time tables: `otel` is (b), OTel ASGI middleware only (the "
         "budget's baseline); `otel_lean` is (c), spanprof's OTel configuration alone (like for "
         "like); `pyroscope_otel_lean` is (d'), (c) plus pyroscope-otel's span processor; "
-        "`spanprof` is (e), `spanprof_recorder` is (f).",
+        "`spanprof` is (e), `spanprof_recorder` is (f). Engine backends: `recorder` is a "
+        "`RecorderBackend`, told every switch; `context` reads the main thread's labels from "
+        "the running context itself (`needs_step_hooks = False`, what `ExactBackend` says "
+        "while it samples exactly), so the engine leaves that thread's loop steps alone.",
         markdown_table(
             ["variant", "instructions/request", "x (b)", "over (c)", "x (c)"],
             rows,
@@ -203,7 +219,7 @@ def run(quick: bool) -> Section:
         "record, the ContextVar and the request's own plumbing.",
         markdown_table(["piece", "instructions/request", "share of (c)"], piece_rows),
         markdown_table(
-            ["loop", "labels", "instructions/step", "over baseline"],
+            ["loop", "labels", "backend", "instructions/step", "over baseline"],
             engine_rows,
         ),
     ]
@@ -226,10 +242,12 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["request"] and len(args) == 3:
         _child_request(args[1], int(args[2]))
-    elif args[:1] == ["engine"] and len(args) == 4:
-        _child_engine(args[1], args[2], int(args[3]))
+    elif args[:1] == ["engine"] and len(args) == 5:
+        _child_engine(args[1], args[2], args[3], int(args[4]))
     else:
-        raise SystemExit("usage: bench_instructions request VARIANT N | engine LOOP MODE STEPS")
+        raise SystemExit(
+            "usage: bench_instructions request VARIANT N | engine LOOP MODE BACKEND STEPS"
+        )
 
 
 if __name__ == "__main__":

@@ -845,3 +845,45 @@ def test_a_handle_run_someone_else_patched_keeps_running(monkeypatch: pytest.Mon
     assert asyncio.Handle._run is slow_callback_logger
     assert seen == [LabelSet({"req": "wrapped"})]
     assert LabelSet({"req": "wrapped"}) in calls
+
+
+@pytest.mark.parametrize("state_kind", ["ThreadLabels", "local"])
+def test_a_quiet_thread_is_never_pushed_to(state_kind: str) -> None:
+    """A thread whose state holds the quiet marker runs every step without calling apply();
+    any other labels in the state are compared as before."""
+    proxy_type, slots_type = c_types()
+    module = importlib.import_module("spanprof._cproxy")
+    quiet = LabelSet({"spanprof_quiet": "1"})
+    module.set_quiet(quiet)
+    state: Any = slots_type(quiet) if state_kind == "ThreadLabels" else _Local()
+    state.labels = quiet
+    a, b = LabelSet({"req": "a"}), LabelSet({"req": "b"})
+    pushed: list[LabelSet] = []
+
+    def apply(labels: LabelSet) -> None:
+        pushed.append(labels)
+        state.labels = labels
+
+    context_a, context_b = contextvars.copy_context(), contextvars.copy_context()
+    context_a.run(LABELS.set, a)
+    context_b.run(LABELS.set, b)
+
+    async def spin(steps: int) -> int:
+        for _ in range(steps):
+            await _suspend(None)
+        return steps
+
+    proxy = proxy_type(spin(1000), LABELS, {"_tls": state}, apply)
+    try:
+        for _ in range(10):
+            context_a.run(proxy.send, None)
+            context_b.run(proxy.send, None)
+        assert pushed == []
+        state.labels = EMPTY  # no longer quiet: every switch is pushed again
+        for _ in range(10):
+            context_a.run(proxy.send, None)
+            context_b.run(proxy.send, None)
+        assert pushed == [a, b] * 10
+    finally:
+        proxy.close()
+        module.set_quiet(_engine._QUIET)  # the engine's own marker, as installing sets it

@@ -13,7 +13,7 @@ import anyio.to_thread
 import pytest
 
 import spanprof
-from spanprof import LabelSet, RecorderBackend, current_labels, profile_labels
+from spanprof import LabelSet, RecorderBackend, _engine, current_labels, profile_labels
 from spanprof._engine import attach_loop
 
 from .conftest import run_on
@@ -309,6 +309,79 @@ def test_install_twice_and_uninstall_restore_originals() -> None:
         concurrent.futures.ThreadPoolExecutor.submit,
         anyio.to_thread.run_sync,
     ) == originals
+
+
+class _ReadsMainContext(RecorderBackend):
+    """A recorder that, like the exact sampler, reads the main thread's labels itself."""
+
+    needs_step_hooks = False
+
+
+@pytest.mark.parametrize("reads_context", [False, True])
+def test_main_thread_loops_get_a_step_hook_unless_the_backend_reads_their_context(
+    reads_context: bool,
+) -> None:
+    """uvloop gets the label task factory, except in the main thread of a backend that reads
+    the running context there itself; a loop in another thread always gets it."""
+    backend = _ReadsMainContext() if reads_context else RecorderBackend()
+    factories: dict[str, object] = {}
+
+    async def probe(where: str) -> None:
+        attach_loop()
+        factories[where] = asyncio.get_running_loop().get_task_factory()
+
+    spanprof.install_label_engine(backend)
+    try:
+        run_on("uvloop", lambda: probe("main"))
+        thread = threading.Thread(target=run_on, args=("uvloop", lambda: probe("thread")))
+        thread.start()
+        thread.join()
+    finally:
+        spanprof.uninstall_label_engine()
+    assert (factories["main"] is None) is reads_context, factories
+    assert factories["thread"] is not None, factories
+
+
+@pytest.mark.parametrize("engine", ["c", "python"])
+@pytest.mark.parametrize("reads_context", [False, True])
+def test_no_pushes_for_the_main_thread_when_the_backend_reads_its_context(
+    reads_context: bool, engine: str, loop_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Interleaved labelled tasks push every switch, unless the backend reads the main thread's
+    context itself; thread-pool jobs push theirs either way. With the C hooks and without."""
+    if engine == "python":
+        for name in ("_CLabelledCoroutine", "_CThreadLabels", "_CHandleRunHook", "_c_set_quiet"):
+            monkeypatch.setattr(_engine, name, None, raising=False)
+    backend = _ReadsMainContext() if reads_context else RecorderBackend()
+    main = threading.get_ident()
+    seen_in_pool: list[dict[str, str]] = []
+
+    def job() -> None:
+        seen_in_pool.append(dict(backend.thread_labels()))
+
+    async def request(index: int) -> None:
+        with profile_labels(request=str(index)):
+            for _ in range(20):
+                await asyncio.sleep(0)
+            await asyncio.get_running_loop().run_in_executor(None, job)
+
+    async def scenario() -> None:
+        spanprof.install_label_engine(backend)
+        try:
+            backend.clear()
+            await asyncio.gather(*(request(i) for i in range(3)))
+        finally:
+            spanprof.uninstall_label_engine()
+
+    run_on(loop_kind, scenario)
+    from_main = [labels for ident, labels in backend.switches if ident == main]
+    from_pool = [labels for ident, labels in backend.switches if ident != main]
+    if reads_context:
+        assert from_main == []
+    else:
+        assert len(from_main) >= 3 * 20, len(from_main)
+    assert sorted(labels.get("request") for labels in from_pool if labels) == ["0", "1", "2"]
+    assert sorted(labels["request"] for labels in seen_in_pool) == ["0", "1", "2"]
 
 
 def test_label_set_is_immutable_and_hashable() -> None:

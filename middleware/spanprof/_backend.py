@@ -19,6 +19,10 @@ class ProfilerBackend(Protocol):
 
     Implementations must be cheap in ``set_thread_labels`` (it runs between asyncio task steps)
     and may raise: the engine logs a backend failure once and never lets it reach a request.
+
+    Optionally, a backend that reads the main thread's labels from the running context itself
+    (``ExactBackend``) has a ``needs_step_hooks`` attribute that is ``False`` while it does:
+    event loops in the main thread then get no per-step hook where one would be extra.
     """
 
     def start(self) -> None:

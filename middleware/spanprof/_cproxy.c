@@ -33,6 +33,9 @@ static PyObject *str_labels;   /* "labels": what that thread last pushed */
 static PyObject *str_throw;
 static PyObject *str_close;
 static PyObject *str_slot;     /* the key of ThreadLabels' entry in each thread state's dict */
+/* set_quiet()'s marker: a thread whose state holds it is never pushed to (its profiler reads
+ * that thread's labels from the running context itself). NULL until set. */
+static PyObject *quiet;
 
 typedef struct {
     PyObject_HEAD
@@ -192,7 +195,7 @@ labels_changed(PyObject *ns, PyObject *labels)
     }
     if (Py_IS_TYPE(state, &Slot_Type)) {
         last = slot_read((SlotObject *)state);
-        return last == NULL ? -1 : last != labels;
+        return last == NULL ? -1 : last != labels && last != quiet;
     }
     Py_INCREF(state);
     last = PyObject_GetAttr(state, str_labels);
@@ -200,7 +203,7 @@ labels_changed(PyObject *ns, PyObject *labels)
     if (last == NULL) {
         return -1;
     }
-    changed = last != labels;
+    changed = last != labels && last != quiet;
     Py_DECREF(last);
     return changed;
 }
@@ -785,11 +788,27 @@ static PyTypeObject Hook_Type = {
     .tp_new = hook_new,
 };
 
+static PyObject *
+cproxy_set_quiet(PyObject *Py_UNUSED(module), PyObject *marker)
+{
+    Py_XSETREF(quiet, Py_NewRef(marker));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef cproxy_methods[] = {
+    {"set_quiet", cproxy_set_quiet, METH_O,
+     "set_quiet(marker)\n--\n\n"
+     "A thread whose per-thread state holds `marker` as its labels is never pushed to: the\n"
+     "proxy and the hook treat it as already running with whatever labels the context has."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef cproxy_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "spanprof._cproxy",
     .m_doc = "The label engine's coroutine proxy and per-thread state in C (optional).",
     .m_size = -1,
+    .m_methods = cproxy_methods,
 };
 
 static int

@@ -51,3 +51,6 @@ class HandleRunHook:
     @property
     def replaces(self) -> bool: ...
     def __call__(self, handle: asyncio.Handle, /) -> None: ...
+
+def set_quiet(marker: LabelSet, /) -> None:
+    """A thread whose state holds ``marker`` as its labels is never pushed to."""

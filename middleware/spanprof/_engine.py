@@ -46,10 +46,12 @@ try:
     from ._cproxy import HandleRunHook as _CHandleRunHook
     from ._cproxy import LabelledCoroutine as _CLabelledCoroutine
     from ._cproxy import ThreadLabels as _CThreadLabels
+    from ._cproxy import set_quiet as _c_set_quiet
 except ImportError:  # installed without a C compiler: the Python versions below do the same
     _CHandleRunHook = None  # type: ignore[assignment,misc]
     _CLabelledCoroutine = None  # type: ignore[assignment,misc]
     _CThreadLabels = None  # type: ignore[assignment,misc]
+    _c_set_quiet = None  # type: ignore[assignment]
 
 __all__ = [
     "apply",
@@ -105,6 +107,12 @@ _restore: list[Callable[[], None]] = []
 _fork_hook_registered = False
 
 
+# What a thread's state holds while its backend reads that thread's labels from the running
+# context itself (the exact sampler, in the main thread): nothing is pushed for it, and the
+# step hooks (Python and C, see _cproxy.set_quiet) see no change to push.
+_QUIET = LabelSet({"spanprof_quiet": "1"})
+
+
 def apply(labels: LabelSet) -> None:
     """The calling thread now runs with ``labels``: push them if that is a change."""
     backend = _backend
@@ -113,7 +121,7 @@ def apply(labels: LabelSet) -> None:
         return
     state = _tls
     previous = state.labels
-    if labels is previous:
+    if labels is previous or previous is _QUIET:
         return
     state.labels = labels
     # The dicts compared directly: LabelSet.__eq__ would add a Python call to every switch.
@@ -306,7 +314,10 @@ def attach_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
     if _seen_loop is not None and _seen_loop() is loop:
         return
     factory = loop.get_task_factory()
-    if not isinstance(factory, _LabelTaskFactory):
+    if _samples_context_here():
+        # No task factory, and the step hooks leave this thread alone.
+        _tls.labels = _QUIET
+    elif not isinstance(factory, _LabelTaskFactory):
         python_handles = isinstance(loop, asyncio.BaseEventLoop)
         if not python_handles or factory is not None:
             loop.set_task_factory(
@@ -316,6 +327,15 @@ def attach_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
         _seen_loop = weakref.ref(loop)
     except TypeError:  # a loop type without weak references: just re-check next time
         _seen_loop = None
+
+
+def _samples_context_here() -> bool:
+    # The exact sampler reads the main thread's labels from the context running at each sample
+    # (needs_step_hooks is False): its loops need no per-step pushes.
+    return (
+        getattr(_backend, "needs_step_hooks", True) is False
+        and threading.current_thread() is threading.main_thread()
+    )
 
 
 def _detach_loop(loop: asyncio.AbstractEventLoop) -> None:
@@ -380,6 +400,8 @@ def _patch_anyio() -> Callable[[], None] | None:
 
 
 def _install_patches() -> None:
+    if _c_set_quiet is not None:
+        _c_set_quiet(_QUIET)
     setattr(asyncio.Handle, "_run", _handle_run_hook())  # noqa: B010 - a method swap mypy forbids
     _restore.append(lambda: setattr(asyncio.Handle, "_run", _orig_handle_run))
     concurrent.futures.ThreadPoolExecutor.submit = _submit  # type: ignore[method-assign,assignment]

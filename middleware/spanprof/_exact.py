@@ -140,10 +140,11 @@ class ExactBackend(WithPyroscopeSettings):
 
     @property
     def needs_step_hooks(self) -> bool:
-        """Whether the label engine must push labels on every event-loop step.
+        """Whether the label engine must push labels on every step of a main-thread event loop.
 
-        Not when sampling exactly: the sampler reads the main thread's labels from its context.
-        Thread-pool jobs still push theirs.
+        Not when sampling exactly: the sampler reads the main thread's labels from its context,
+        so the engine gives loops there no task factory (uvloop, eager tasks). Thread-pool jobs,
+        and loops in other threads, still push theirs.
         """
         return self.mode != "exact"
 
