@@ -28,6 +28,9 @@ from ._report import Section, Verdict, markdown_table
 __all__ = ["CONCURRENCY", "run"]
 
 CONCURRENCY = 16
+# Batches of CONCURRENCY requests, one after the other, pooled: one batch is ~250 ticks, where a
+# share's sampling noise alone spans about 2 points between runs.
+ROUNDS = 3
 
 APPS = {
     "spanprof": "tests.e2e.asgi_app:app",
@@ -62,12 +65,17 @@ class Outcome:
     seconds: float
 
 
-async def _fire(base: str, count: int) -> dict[int, dict[str, str]]:
+async def _fire(base: str) -> dict[int, dict[str, str]]:
+    """``ROUNDS`` batches of ``CONCURRENCY`` concurrent requests; each has its own marker."""
+    labels: dict[int, dict[str, str]] = {}
     async with httpx.AsyncClient(base_url=base, timeout=120) as client:
-        responses = await asyncio.gather(*(client.get(f"/burn/{i}") for i in range(count)))
-    for response in responses:
-        response.raise_for_status()
-    return {i: response.json() for i, response in enumerate(responses)}
+        for first in range(0, ROUNDS * CONCURRENCY, CONCURRENCY):
+            indexes = range(first, first + CONCURRENCY)
+            responses = await asyncio.gather(*(client.get(f"/burn/{i}") for i in indexes))
+            for index, response in zip(indexes, responses, strict=True):
+                response.raise_for_status()
+                labels[index] = response.json()
+    return labels
 
 
 def _server_view(
@@ -112,14 +120,14 @@ def _run_case(case: Case, workdir: Path) -> Outcome:
             env=env,
             log_path=log,
         ):
-            expected = asyncio.run(_fire(f"http://127.0.0.1:{port}", CONCURRENCY))
+            expected = asyncio.run(_fire(f"http://127.0.0.1:{port}"))
         samples = receiver.samples()
         if receiver.errors:
             raise RuntimeError(f"{case}: the receiver rejected uploads: {receiver.errors[:3]}")
     text = log.read_text()
     if "Traceback" in text:
         raise RuntimeError(f"{case}: the server logged an error:\n{text[-3000:]}")
-    if len({ids["span_id"] for ids in expected.values()}) != CONCURRENCY:
+    if len({ids["span_id"] for ids in expected.values()}) != ROUNDS * CONCURRENCY:
         raise RuntimeError(f"{case}: requests did not get distinct span ids: {expected!r}")
     double, credited = _server_view(samples, expected)
     return Outcome(
@@ -159,18 +167,19 @@ def run(quick: bool) -> Section:
     with tempfile.TemporaryDirectory() as tmp:
         outcomes = [_run_case(case, Path(tmp)) for case in cases]
     section.body += [
-        f"uvicorn serving {CONCURRENCY} concurrent `GET /burn/{{i}}` requests; each burns CPU "
-        "in its own marker function: handler steps and child-task steps separated by "
-        "`await asyncio.sleep(0)`, then 40 ms in `run_in_threadpool`; 160 ms of CPU per request "
-        "in both step sizes (20 ms: 4 + 2 steps; 2 ms: 40 + 20 steps). An unlabelled "
-        "background task burns 5 ms every 10 ms. The real pyroscope-io agent (100 Hz, 1 s "
-        "uploads) pushes to a `PushReceiver`; every sample in a marker is classified by its "
-        "labels. **spanprof**: `tests/e2e/asgi_app.py` (`ProfilingMiddleware`, profiler from "
-        "the environment). **pyroscope-otel**: `benchmarks/apps/pyroscope_otel_app.py` "
-        "(`pyroscope.configure` + `PyroscopeSpanProcessor` + OTel ASGI middleware), which tags "
-        "the event loop's OS thread at each server span's start and untags it at its end, so "
-        "every request in flight lands on every sample of the loop thread, and thread-pool work "
-        "is unlabelled.",
+        f"uvicorn serving {ROUNDS} batches of {CONCURRENCY} concurrent `GET /burn/{{i}}` "
+        "requests, pooled (one batch is about 250 ticks, where 5 ticks move a share by 2 "
+        "points); each request burns CPU in its own marker function: handler steps and "
+        "child-task steps separated by `await asyncio.sleep(0)`, then 40 ms in "
+        "`run_in_threadpool`; 160 ms of CPU per request in both step sizes (20 ms: 4 + 2 "
+        "steps; 2 ms: 40 + 20 steps). An unlabelled background task burns 5 ms every 10 ms. "
+        "The real pyroscope-io agent (100 Hz, 1 s uploads) pushes to a `PushReceiver`; every "
+        "sample in a marker is classified by its labels. **spanprof**: "
+        "`tests/e2e/asgi_app.py` (`ProfilingMiddleware`, profiler from the environment). "
+        "**pyroscope-otel**: `benchmarks/apps/pyroscope_otel_app.py` (`pyroscope.configure` +"
+        " `PyroscopeSpanProcessor` + OTel ASGI middleware), which tags the event loop's OS "
+        "thread at each server span's start and untags it at its end, so every request in "
+        "flight lands on every sample of the loop thread, and thread-pool work is unlabelled.",
         "Shares are of the CPU samples taken in request markers (pooled over all requests; "
         "a tick is one 10 ms sample). *exact*: exactly one `span_id` and one `trace_id`, both "
         "the request's own. *wrong*: anything else with a span label, including samples "
