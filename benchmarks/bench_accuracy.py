@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 from tests.e2e.analysis import Attribution, attribute
+from tests.e2e.client import fire
 from tests.e2e.markers import marker_index
 from tests.e2e.server import free_port, serve, uvicorn_argv
 
@@ -65,19 +65,6 @@ class Outcome:
     seconds: float
 
 
-async def _fire(base: str) -> dict[int, dict[str, str]]:
-    """``ROUNDS`` batches of ``CONCURRENCY`` concurrent requests; each has its own marker."""
-    labels: dict[int, dict[str, str]] = {}
-    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
-        for first in range(0, ROUNDS * CONCURRENCY, CONCURRENCY):
-            indexes = range(first, first + CONCURRENCY)
-            responses = await asyncio.gather(*(client.get(f"/burn/{i}") for i in indexes))
-            for index, response in zip(indexes, responses, strict=True):
-                response.raise_for_status()
-                labels[index] = response.json()
-    return labels
-
-
 def _server_view(
     samples: Sequence[ReceivedSample], expected: Mapping[int, Mapping[str, str]]
 ) -> tuple[int, int]:
@@ -120,7 +107,9 @@ def _run_case(case: Case, workdir: Path) -> Outcome:
             env=env,
             log_path=log,
         ):
-            expected = asyncio.run(_fire(f"http://127.0.0.1:{port}"))
+            expected = asyncio.run(
+                fire(f"http://127.0.0.1:{port}", concurrency=CONCURRENCY, rounds=ROUNDS)
+            )
         samples = receiver.samples()
         if receiver.errors:
             raise RuntimeError(f"{case}: the receiver rejected uploads: {receiver.errors[:3]}")
