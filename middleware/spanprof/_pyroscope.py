@@ -82,17 +82,8 @@ class PyroscopeBackend(WithPyroscopeSettings):
         with self._lock:
             if self._running:
                 return
-            ok = pyroscope.configure(
-                application_name=self.application_name,
-                server_address=self.server_address,
-                upload_interval=self.upload_interval,
-                sample_rate=self.sample_rate,
-                tenant_id=self.tenant_id,
-                basic_auth_username=self.basic_auth_username,
-                basic_auth_password=self.basic_auth_password,
-                tags=dict(self.tags),
-                **self.extra_options,
-            )
+            # The settings' names are pyroscope.configure's own; tags come as a fresh dict.
+            ok = pyroscope.configure(**self._settings.arguments(), **self.extra_options)
             if ok is False:
                 log_once(
                     "pyroscope-configure",
