@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from opentelemetry.trace import Span, SpanKind
 
-from ._labelset import LABELS, LabelSet
+from .._labels._labelset import LABELS, LabelSet
 
 __all__ = ["PROFILE_ID_ATTRIBUTE", "annotate_span", "is_server_span", "request_labels"]
 
