@@ -126,6 +126,8 @@ def test_both_middlewares_share_one_options_type() -> None:
             make(profiler=None, slo=0.5)
         with pytest.raises(ValueError, match="profiler: expected a ProfilerBackend"):
             make(profiler="pyroscope")
+        with pytest.raises(ValueError, match="route_resolver: expected a callable"):
+            make(profiler=None, route_resolver="/items")
 
 
 def test_slo_policy_is_accepted_and_validated() -> None:

@@ -19,7 +19,7 @@ from .._labels._engine import apply, attach_loop
 from .._labels._labelset import LABELS, LabelSet
 from .._logging import log_once
 from .._types import ASGIApp, Message, Receive, Scope, Send
-from ._options import SHARED_OPTIONS, MiddlewareSettings, ProfilingOptions, check_options
+from ._options import MiddlewareSettings, ProfilingOptions
 from ._routes import UNMATCHED, known_method, span_name, starlette_route_template
 from ._spanlabels import annotate_span, is_server_span, request_labels
 
@@ -157,13 +157,10 @@ class ProfilingMiddleware:
         route_resolver: Callable[[Scope], str | None] | None = None,
         **options: Unpack[ProfilingOptions],
     ) -> None:
-        check_options("ProfilingMiddleware", options, SHARED_OPTIONS)
-        if route_resolver is not None and not callable(route_resolver):
-            raise ValueError(
-                f"route_resolver: expected a callable scope -> str | None, got {route_resolver!r}"
-            )
         self.app = app
-        settings = MiddlewareSettings.build(options)
+        settings = MiddlewareSettings.build(
+            "ProfilingMiddleware", options, route_resolver=route_resolver, resolves="scope"
+        )
         self._runtime = settings.runtime
         self._durations = settings.durations
         self._resolve = route_resolver

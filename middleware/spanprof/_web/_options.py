@@ -70,14 +70,7 @@ class ProfilingOptions(TypedDict, total=False):
     environ: Mapping[str, str] | None
 
 
-def check_options(owner: str, options: Mapping[str, object], allowed: frozenset[str]) -> None:
-    """Raise ``TypeError`` for an option ``owner`` does not take, as Python would."""
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
-
-
-SHARED_OPTIONS = frozenset(ProfilingOptions.__annotations__)
+_OPTION_NAMES = frozenset(ProfilingOptions.__annotations__)
 
 
 @dataclass(frozen=True)
@@ -91,8 +84,23 @@ class MiddlewareSettings:
     excluded: ExcludeList | None
 
     @classmethod
-    def build(cls, options: ProfilingOptions) -> MiddlewareSettings:
-        """Validate everything now: a bad setting raises ``ValueError`` naming it."""
+    def build(
+        cls, owner: str, options: ProfilingOptions, *, route_resolver: object, resolves: str
+    ) -> MiddlewareSettings:
+        """Validate everything now: a bad setting raises ``ValueError`` naming it.
+
+        ``owner`` is the middleware's name for errors; ``route_resolver`` must be ``None`` or a
+        callable taking what ``resolves`` names (``scope`` or ``environ``).
+        """
+        unknown = sorted(set(options) - _OPTION_NAMES)
+        if unknown:
+            # What Python itself says of an unexpected keyword argument.
+            raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
+        if route_resolver is not None and not callable(route_resolver):
+            raise ValueError(
+                f"route_resolver: expected a callable {resolves} -> str | None, "
+                f"got {route_resolver!r}"
+            )
         environ = options.get("environ")
         env = os.environ if environ is None else environ
         backend = choose_profiler(options.get("profiler", FROM_ENV), env)

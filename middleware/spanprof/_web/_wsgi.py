@@ -38,7 +38,7 @@ from .._labels._labelset import LabelSet
 from .._labels._scope import labels_scope
 from .._logging import log_once
 from .._version import __version__
-from ._options import SHARED_OPTIONS, MiddlewareSettings, ProfilingOptions, check_options
+from ._options import MiddlewareSettings, ProfilingOptions
 from ._routes import UNMATCHED, known_method, span_name
 from ._spanlabels import annotate_span, is_server_span, request_labels
 from ._wsgi_routes import WSGIRouteResolver, default_route_resolver
@@ -93,15 +93,12 @@ class WSGIProfilingMiddleware:
         route_resolver: WSGIRouteResolver | None = None,
         **options: Unpack[ProfilingOptions],
     ) -> None:
-        check_options("WSGIProfilingMiddleware", options, SHARED_OPTIONS)
         if not callable(app):
             raise ValueError(f"app: expected a WSGI application (a callable), got {app!r}")
-        if route_resolver is not None and not callable(route_resolver):
-            raise ValueError(
-                f"route_resolver: expected a callable environ -> str | None, got {route_resolver!r}"
-            )
         self.app = app
-        settings = MiddlewareSettings.build(options)
+        settings = MiddlewareSettings.build(
+            "WSGIProfilingMiddleware", options, route_resolver=route_resolver, resolves="environ"
+        )
         self._runtime = settings.runtime
         self._with_trace_id = settings.with_trace_id
         self._durations = settings.durations
