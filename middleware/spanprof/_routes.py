@@ -18,6 +18,7 @@ __all__ = [
     "RouteResolver",
     "known_method",
     "span_name",
+    "span_name_label",
     "starlette_route_template",
 ]
 
@@ -30,6 +31,7 @@ _KNOWN_METHODS = frozenset(
 )
 _MAX_NAMES = 10_000
 _names: dict[tuple[str, str], str] = {}
+_labels: dict[str, str] = {}
 
 
 def known_method(method: str) -> str:
@@ -38,14 +40,28 @@ def known_method(method: str) -> str:
 
 
 def span_name(method: str, template: str) -> str:
-    """``"GET /items/{item_id}"``: a known method (else ``_OTHER``) and the sanitized template."""
+    """``"GET /items/{item_id}"``: a known method (else ``_OTHER``) and the template as it is.
+
+    The span name keeps the template's own text, as ``http.route`` does: only the profile label
+    made from it is sanitized (``span_name_label``), since Pyroscope is what rejects non-ASCII.
+    """
     key = (method, template)
     name = _names.get(key)
     if name is None:
-        name = sanitize_value(f"{known_method(method)} {template}")
+        name = f"{known_method(method)} {template}"
         if len(_names) < _MAX_NAMES:  # bounded: templates are few, but a custom resolver may lie
             _names[key] = name
     return name
+
+
+def span_name_label(name: str) -> str:
+    """The ``span_name`` profile label for the span name ``name``: sanitized, memoized."""
+    label = _labels.get(name)
+    if label is None:
+        label = sanitize_value(name)
+        if len(_labels) < _MAX_NAMES:
+            _labels[name] = label
+    return label
 
 
 def _routes_of(app: Any) -> Sequence[Any] | None:

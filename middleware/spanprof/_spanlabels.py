@@ -5,6 +5,7 @@ from __future__ import annotations
 from opentelemetry.trace import Span, SpanKind
 
 from ._labelset import LABELS, LabelSet
+from ._routes import span_name_label
 
 __all__ = ["PROFILE_ID_ATTRIBUTE", "annotate_span", "is_server_span", "request_labels"]
 
@@ -18,9 +19,12 @@ def is_server_span(span: Span) -> bool:
 
 
 def request_labels(span: Span, name: str, *, with_trace_id: bool) -> LabelSet:
-    """The request's labels: the enclosing ones plus ``span_id``, ``trace_id``, ``span_name``."""
+    """The request's labels: the enclosing ones plus ``span_id``, ``trace_id``, ``span_name``.
+
+    ``name`` is the span's name; the label carries its sanitized form.
+    """
     ctx = span.get_span_context()
-    own: dict[str, str] = {"span_name": name}
+    own: dict[str, str] = {"span_name": span_name_label(name)}
     if ctx.is_valid:
         # The same zero-padded lowercase hex as format(id, "016x"), at half the cost.
         own["span_id"] = ctx.span_id.to_bytes(8, "big").hex()
