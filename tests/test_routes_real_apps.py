@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 from flask import Flask
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -14,6 +16,7 @@ from opentelemetry.trace import SpanKind
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from werkzeug.test import EnvironBuilder
 
 import spanprof
 from spanprof import ProfilingMiddleware, WSGIProfilingMiddleware
@@ -89,3 +92,51 @@ def test_non_ascii_flask_route_keeps_its_text_in_the_span_name(
     assert span.name == "GET /киртест"
     assert route_of(span) == "/киртест"
     assert body == {"span_name": "GET /_______"}
+
+
+def subdomain_flask_app(tracer_provider: TracerProvider) -> Flask:
+    """Flask with SERVER_NAME and subdomain matching: hosts outside it make werkzeug warn."""
+    app = Flask("spanprof_subdomains", subdomain_matching=True)
+    app.config["SERVER_NAME"] = "example.com"
+
+    @app.get("/profile", subdomain="<user>")
+    def profile(user: str) -> dict[str, Any]:
+        return {"span_name": spanprof.current_labels().get("span_name")}
+
+    app.wsgi_app = WSGIProfilingMiddleware(  # type: ignore[method-assign]
+        app.wsgi_app, profiler=None, tracer_provider=tracer_provider, environ={}
+    )
+    return app
+
+
+def test_flask_resolver_adds_no_server_name_warning(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """A host outside SERVER_NAME: werkzeug warns once (Flask's binding), not twice."""
+    app = subdomain_flask_app(tracer_provider)
+    client = app.test_client()
+    with (
+        pytest.warns(UserWarning, match="doesn't match configured") as warned,
+        client.get("/profile", headers={"Host": "10.0.0.7"}) as response,
+    ):
+        assert response.status_code == 200
+    assert len(warned) == 1
+    (span,) = server_spans(span_exporter)
+    assert span.name == "GET /profile"
+
+
+def test_flask_subdomain_route_is_named_under_warnings_as_errors(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """With the warning an error, spanprof still resolves the route Flask would pick."""
+    from spanprof._wsgi_routes import flask_route_resolver
+
+    app = subdomain_flask_app(tracer_provider)
+    environ = EnvironBuilder(path="/profile", headers=[("Host", "10.0.0.7")]).get_environ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert flask_route_resolver(app)(environ) == "/profile"
+    environ = EnvironBuilder(path="/profile", headers=[("Host", "bob.example.com")]).get_environ()
+    assert flask_route_resolver(app)(environ) == "/profile"
+    environ = EnvironBuilder(path="/nowhere", headers=[("Host", "bob.example.com")]).get_environ()
+    assert flask_route_resolver(app)(environ) is None
