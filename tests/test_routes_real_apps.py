@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from fastapi import APIRouter, FastAPI
 from flask import Flask
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -16,6 +18,7 @@ from opentelemetry.trace import SpanKind
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Host, Mount, Route, Router
 from werkzeug.test import EnvironBuilder
 
 import spanprof
@@ -57,8 +60,6 @@ def test_non_ascii_route_keeps_its_text_in_the_span_name(
     tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
 ) -> None:
     """``/киртест``: span name and ``http.route`` keep the text; only the label is sanitized."""
-    from starlette.routing import Route
-
     app = ProfilingMiddleware(
         Starlette(routes=[Route("/киртест", label_view)]),
         profiler=None,
@@ -140,3 +141,228 @@ def test_flask_subdomain_route_is_named_under_warnings_as_errors(
     assert flask_route_resolver(app)(environ) == "/profile"
     environ = EnvironBuilder(path="/nowhere", headers=[("Host", "bob.example.com")]).get_environ()
     assert flask_route_resolver(app)(environ) is None
+
+
+# FastAPI's "bigger applications" layout: routers in their own modules, included by the app.
+
+
+def _labels() -> dict[str, Any]:
+    return {"span_name": spanprof.current_labels().get("span_name")}
+
+
+def bigger_fastapi_app(**options: Any) -> FastAPI:
+    """``app.include_router(users.router)`` and ``include_router(items, prefix="/api")``."""
+    app = FastAPI(**options)
+    users = APIRouter(tags=["users"])
+
+    @users.get("/users/me")
+    def read_user_me() -> dict[str, Any]:
+        return _labels()
+
+    @users.get("/users/{username}")
+    def read_user(username: str) -> dict[str, Any]:
+        return _labels()
+
+    items = APIRouter(prefix="/items")
+
+    @items.get("/{item_id}")
+    async def read_item(item_id: str) -> dict[str, Any]:
+        return _labels()
+
+    @items.put("/{item_id}")
+    async def update_item(item_id: str) -> dict[str, Any]:
+        return _labels()
+
+    @items.get("/by-number/{number:int}")
+    async def read_numbered(number: int) -> dict[str, Any]:
+        return _labels()
+
+    admin = APIRouter(prefix="/admin")
+
+    @admin.get("/stats")
+    async def stats() -> dict[str, Any]:
+        return _labels()
+
+    items.include_router(admin)  # nested: /api/items/admin/stats
+    app.include_router(users)
+    app.include_router(items, prefix="/api")
+
+    @app.get("/")
+    async def root() -> dict[str, Any]:
+        return _labels()
+
+    return app
+
+
+BIGGER_APP_CASES = [
+    ("/users/me", "/users/me"),
+    ("/users/rick", "/users/{username}"),
+    ("/api/items/plumbus", "/api/items/{item_id}"),
+    ("/api/items/admin/stats", "/api/items/admin/stats"),
+    ("/", "/"),
+]
+
+
+def test_fastapi_included_routers_are_named_from_their_routes(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """``include_router()`` routes (prefixed, nested) get their template, never <unmatched>."""
+    app = ProfilingMiddleware(bigger_fastapi_app(), profiler=None, tracer_provider=tracer_provider)
+    results = get_all(app, *(("test", path) for path, _ in BIGGER_APP_CASES))
+    spans = server_spans(span_exporter)
+    assert [s.name for s in spans] == [f"GET {t}" for _, t in BIGGER_APP_CASES]
+    assert [route_of(s) for s in spans] == [t for _, t in BIGGER_APP_CASES]
+    assert [r["body"] for r in results] == [{"span_name": f"GET {t}"} for _, t in BIGGER_APP_CASES]
+
+
+def test_fastapi_included_route_partial_match_does_not_hide_a_later_full_match(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """A POST to an included GET/PUT route is a 405 named after that route, not unmatched."""
+    app = ProfilingMiddleware(bigger_fastapi_app(), profiler=None, tracer_provider=tracer_provider)
+
+    async def main() -> int:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return (await client.post("/api/items/plumbus")).status_code
+
+    assert asyncio.run(main()) == 405
+    (span,) = server_spans(span_exporter)
+    assert span.name == "POST /api/items/{item_id}"
+
+
+def test_fastapi_included_routes_get_their_route_slo(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """Per-route SLOs match included routes by their prefixed template."""
+    app = ProfilingMiddleware(
+        bigger_fastapi_app(),
+        profiler=None,
+        tracer_provider=tracer_provider,
+        slo_seconds=60,
+        route_slos={"/api/items/{item_id}": 1e-9},
+        environ={},
+    )
+    get_all(app, ("test", "/api/items/plumbus"), ("test", "/users/me"))
+    included, other = server_spans(span_exporter)
+    assert (included.attributes or {}).get("spanprof.slo.threshold_s") == 1e-9
+    assert (included.attributes or {}).get("spanprof.slo.breached") is True
+    assert "spanprof.slo.breached" not in (other.attributes or {})
+
+
+def frontend_app(build: Path, **options: Any) -> FastAPI:
+    """The bigger app plus ``frontend()`` builds: app-level, and in an included router."""
+    (build / "index.html").write_text("<html></html>")
+    (build / "app.js").write_text("1")
+    app = bigger_fastapi_app(**options)
+    app.frontend("/", directory=build)
+    docs = APIRouter()
+    docs.frontend("/docs-site", directory=build)
+    app.include_router(docs, prefix="/help")
+    return app
+
+
+FRONTEND_CASES = [
+    ("/app.js", "GET /{path}"),
+    ("/help/docs-site/app.js", "GET /help/docs-site/{path}"),
+    ("/api/items/plumbus/", "GET <unmatched>"),  # a slash redirect, not the frontend
+    ("/users/me", "GET /users/me"),
+]
+
+
+def test_fastapi_frontend_routes_are_named(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter, tmp_path: Path
+) -> None:
+    """``frontend()`` builds are named after their path, as FastAPI's telemetry names them."""
+    wrapped = ProfilingMiddleware(
+        frontend_app(tmp_path), profiler=None, tracer_provider=tracer_provider
+    )
+    results = get_all(wrapped, *(("test", path) for path, _ in FRONTEND_CASES))
+    assert [s.name for s in server_spans(span_exporter)] == [name for _, name in FRONTEND_CASES]
+    assert [r["status"] for r in results] == [200, 200, 307, 200]
+
+
+# Starlette routing beyond a flat route list.
+
+
+def test_host_and_subdomain_routes_are_named_from_the_routes_below_them(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """``Host("api.example.com")`` and ``Host("{sub}.example.com")`` route by the Host header."""
+    api = Router([Route("/users/{user_id}", label_view)])
+    tenants = Starlette(routes=[Mount("/v1", routes=[Route("/reports/{day}", label_view)])])
+    app = Starlette(
+        routes=[
+            Host("api.example.com", api),
+            Host("{tenant}.example.com", tenants),
+            Route("/users/{user_id}", label_view),
+        ]
+    )
+    results = get_all(
+        ProfilingMiddleware(app, profiler=None, tracer_provider=tracer_provider),
+        ("api.example.com", "/users/1"),
+        ("acme.example.com:8443", "/v1/reports/monday"),
+        ("api.example.com", "/v1/reports/monday"),  # served by the api host's router: a 404
+        ("other.org", "/users/2"),
+    )
+    names = ["GET /users/{user_id}", "GET /v1/reports/{day}", "GET <unmatched>"]
+    names.append("GET /users/{user_id}")
+    assert [s.name for s in server_spans(span_exporter)] == names
+    assert [r["status"] for r in results] == [200, 200, 404, 200]
+    assert results[1]["body"] == {"span_name": "GET /v1/reports/{day}"}
+
+
+def test_a_bare_route_or_router_served_as_the_app_is_named(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """A ``Route`` or ``Router`` passed as the app (no Starlette application around it)."""
+    for bare in (Route("/only/{x}", label_view), Router([Route("/only/{x}", label_view)])):
+        results = get_all(
+            ProfilingMiddleware(bare, profiler=None, tracer_provider=tracer_provider),
+            ("test", "/only/1"),
+        )
+        assert results[0]["body"] == {"span_name": "GET /only/{x}"}
+    assert [s.name for s in server_spans(span_exporter)] == ["GET /only/{x}"] * 2
+
+
+def test_routes_changed_after_the_first_request_are_seen(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """Routes added, inserted or replaced in place after requests were served are matched."""
+    app = Starlette(routes=[Route("/a", label_view), Route("/b", label_view)])
+    wrapped = ProfilingMiddleware(app, profiler=None, tracer_provider=tracer_provider)
+    get_all(wrapped, ("test", "/a"))
+    app.add_route("/later/{x}", label_view)
+    get_all(wrapped, ("test", "/later/1"))
+    app.router.routes[1] = Route("/replaced/{y}", label_view)  # same list, same length
+    results = get_all(wrapped, ("test", "/replaced/2"))
+    assert results[0]["body"] == {"span_name": "GET /replaced/{y}"}
+    names = ["GET /a", "GET /later/{x}", "GET /replaced/{y}"]
+    assert [s.name for s in server_spans(span_exporter)] == names
+
+
+def test_routes_are_found_behind_middleware_that_wraps_the_app(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """``ProfilingMiddleware(GZipMiddleware(app))``: the routes are the wrapped app's."""
+    from starlette.middleware.gzip import GZipMiddleware
+
+    app = GZipMiddleware(Starlette(routes=[Route("/items/{item_id}", label_view)]))
+    results = get_all(
+        ProfilingMiddleware(app, profiler=None, tracer_provider=tracer_provider),
+        ("test", "/items/1"),
+    )
+    assert results[0]["body"] == {"span_name": "GET /items/{item_id}"}
+
+
+def test_route_tables_stay_bounded() -> None:
+    """Thousands of short-lived routers never grow the compiled-table cache without bound."""
+    from spanprof import _routes
+
+    scope = {"type": "http", "method": "GET", "path": "/x", "root_path": "", "headers": []}
+    for _ in range(3 * _routes._MAX_TABLES):
+        router = Router([Route("/x", label_view)])
+        assert _routes.starlette_route_template(scope, router) == "/x"
+        assert _routes.starlette_route_template(scope, Route("/x", label_view)) == "/x"
+    assert len(_routes._tables) <= _routes._MAX_TABLES
+    assert len(_routes._singles) <= _routes._MAX_TABLES
