@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 from flask import Flask
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -50,6 +50,11 @@ def get_all(app: ASGIApp, *requests: tuple[str, str]) -> list[dict[str, Any]]:
 
 def server_spans(exporter: InMemorySpanExporter) -> list[ReadableSpan]:
     return [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
+
+
+def scope_of(span: ReadableSpan) -> str | None:
+    """The name of the instrumentation that made ``span``."""
+    return span.instrumentation_scope.name if span.instrumentation_scope else None
 
 
 def route_of(span: ReadableSpan) -> Any:
@@ -250,6 +255,44 @@ def test_fastapi_included_routes_get_their_route_slo(
     assert "spanprof.slo.breached" not in (other.attributes or {})
 
 
+def test_fastapi_telemetry_and_spanprof_share_one_server_span_and_one_name(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """spanprof inside FastAPI's telemetry: one server span, FastAPI's name is the label too.
+
+    FastAPI renames its span when the router picks the route (``path_format``: converters
+    dropped), so the label is named the same way, and FastAPI's operation spans stay.
+    """
+    app = bigger_fastapi_app(telemetry={"tracer_provider": tracer_provider})
+    app.add_middleware(ProfilingMiddleware, profiler=None, tracer_provider=tracer_provider)
+    cases = [*BIGGER_APP_CASES, ("/api/items/by-number/7", "/api/items/by-number/{number}")]
+    results = get_all(app, *(("test", path) for path, _ in cases))
+    spans = server_spans(span_exporter)
+    assert [s.name for s in spans] == [f"GET {t}" for _, t in cases]
+    assert [route_of(s) for s in spans] == [t for _, t in cases]
+    assert [r["body"] for r in results] == [{"span_name": f"GET {t}"} for _, t in cases]
+    assert all(scope_of(s) == "fastapi" for s in spans)
+    endpoints = [s for s in span_exporter.get_finished_spans() if s.name == "fastapi.endpoint"]
+    assert len(endpoints) == len(cases)
+    assert {s.parent.span_id for s in endpoints if s.parent} == {s.context.span_id for s in spans}
+
+
+def test_spanprof_outside_fastapi_telemetry_keeps_one_server_span(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """Wrapping a FastAPI app whose telemetry is on: spanprof's span is the only server span."""
+    app = ProfilingMiddleware(
+        bigger_fastapi_app(telemetry={"tracer_provider": tracer_provider}),
+        profiler=None,
+        tracer_provider=tracer_provider,
+    )
+    results = get_all(app, ("test", "/users/me"), ("test", "/api/items/plumbus"))
+    spans = server_spans(span_exporter)
+    assert [s.name for s in spans] == ["GET /users/me", "GET /api/items/{item_id}"]
+    assert all(scope_of(s) != "fastapi" for s in spans)
+    assert [r["body"]["span_name"] for r in results] == [s.name for s in spans]
+
+
 def frontend_app(build: Path, **options: Any) -> FastAPI:
     """The bigger app plus ``frontend()`` builds: app-level, and in an included router."""
     (build / "index.html").write_text("<html></html>")
@@ -280,6 +323,25 @@ def test_fastapi_frontend_routes_are_named(
     results = get_all(wrapped, *(("test", path) for path, _ in FRONTEND_CASES))
     assert [s.name for s in server_spans(span_exporter)] == [name for _, name in FRONTEND_CASES]
     assert [r["status"] for r in results] == [200, 200, 307, 200]
+
+
+def test_fastapi_frontend_inside_fastapi_telemetry_labels_agree(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter, tmp_path: Path
+) -> None:
+    """Frontend requests under FastAPI's telemetry: its span name is the label, one span."""
+    seen: list[Any] = []
+
+    def capture() -> None:
+        seen.append(spanprof.current_labels().get("span_name"))
+
+    app = frontend_app(
+        tmp_path, telemetry={"tracer_provider": tracer_provider}, dependencies=[Depends(capture)]
+    )
+    app.add_middleware(ProfilingMiddleware, profiler=None, tracer_provider=tracer_provider)
+    cases = [case for case in FRONTEND_CASES if "<unmatched>" not in case[1]]
+    get_all(app, *(("test", path) for path, _ in cases))
+    assert [s.name for s in server_spans(span_exporter)] == [name for _, name in cases]
+    assert seen == [name for _, name in cases]
 
 
 # Starlette routing beyond a flat route list.
