@@ -428,3 +428,58 @@ def test_route_tables_stay_bounded() -> None:
         assert _routes.starlette_route_template(scope, Route("/x", label_view)) == "/x"
     assert len(_routes._tables) <= _routes._MAX_TABLES
     assert len(_routes._singles) <= _routes._MAX_TABLES
+
+
+# Nested spanprof layers: a mounted sub-app with its own middleware.
+
+
+def test_nested_spanprof_middleware_leaves_the_outer_request_alone(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """Sub-apps with their own ProfilingMiddleware at /v1 and /v2: the outer names stay full."""
+
+    def versioned() -> ProfilingMiddleware:
+        sub = Starlette(routes=[Route("/items/{item_id}", label_view)])
+        return ProfilingMiddleware(sub, profiler=None, tracer_provider=tracer_provider)
+
+    app = Starlette(routes=[Mount("/v1", app=versioned()), Mount("/v2", app=versioned())])
+    wrapped = ProfilingMiddleware(app, profiler=None, tracer_provider=tracer_provider)
+    results = get_all(wrapped, ("test", "/v1/items/1"), ("test", "/v2/items/2"))
+    names = ["GET /v1/items/{item_id}", "GET /v2/items/{item_id}"]
+    spans = server_spans(span_exporter)
+    assert [s.name for s in spans] == names
+    assert [route_of(s) for s in spans] == [name.removeprefix("GET ") for name in names]
+    assert len(span_exporter.get_finished_spans()) == 2  # the inner layers add no span
+    assert [r["body"] for r in results] == [{"span_name": name} for name in names]
+
+
+def test_flask_with_its_own_middleware_mounted_in_an_asgi_app_keeps_the_outer_name(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """A Flask app (WSGIProfilingMiddleware) mounted under ProfilingMiddleware: one request.
+
+    The outer span keeps its own template and ids; the Flask view runs with its labels.
+    """
+    from asgiref.wsgi import WsgiToAsgi
+
+    flask = Flask("spanprof_mounted")
+
+    @flask.get("/items/<int:item_id>")
+    def item(item_id: int) -> dict[str, Any]:
+        labels = spanprof.current_labels()
+        return {"span_name": labels.get("span_name"), "span_id": labels.get("span_id")}
+
+    flask.wsgi_app = WSGIProfilingMiddleware(  # type: ignore[method-assign]
+        flask.wsgi_app, profiler=None, tracer_provider=tracer_provider, environ={}
+    )
+    legacy = WsgiToAsgi(flask)  # type: ignore[no-untyped-call]  # asgiref ships no annotations
+    app = Starlette(routes=[Mount("/legacy", app=legacy)])
+    wrapped = ProfilingMiddleware(app, profiler=None, tracer_provider=tracer_provider)
+    (result,) = get_all(wrapped, ("test", "/legacy/items/7"))
+    (span,) = server_spans(span_exporter)
+    assert span.name == "GET /legacy/{path:path}"
+    assert len(span_exporter.get_finished_spans()) == 1
+    assert result["body"] == {
+        "span_name": "GET /legacy/{path:path}",
+        "span_id": format(span.context.span_id if span.context else 0, "016x"),
+    }

@@ -27,7 +27,7 @@ from ._routes import (
     starlette_route_template,
 )
 from ._settings import FROM_ENV, MiddlewareSettings
-from ._spanlabels import annotate_span, is_server_span, request_labels
+from ._spanlabels import annotate_span, is_labelled_span, is_server_span, request_labels
 from ._types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["FROM_ENV", "ProfilingMiddleware"]
@@ -256,6 +256,11 @@ class ProfilingMiddleware:
         attach_loop()
         current = trace.get_current_span()
         reused = is_server_span(current)
+        if reused and is_labelled_span(current):
+            # An outer spanprof layer owns this request (this app is mounted in its app): it
+            # keeps its name, labels and duration; renaming it to this app's template is wrong.
+            await self.app(scope, receive, send)
+            return
         method = scope.get("method", "") if kind == "http" else "WEBSOCKET"
         # Inside FastAPI's own telemetry, its server span is the request's: FastAPI renames it
         # when its router picks the route, so the request is named the way FastAPI names it.

@@ -7,7 +7,13 @@ from opentelemetry.trace import Span, SpanKind
 from ._labelset import LABELS, LabelSet
 from ._routes import span_name_label
 
-__all__ = ["PROFILE_ID_ATTRIBUTE", "annotate_span", "is_server_span", "request_labels"]
+__all__ = [
+    "PROFILE_ID_ATTRIBUTE",
+    "annotate_span",
+    "is_labelled_span",
+    "is_server_span",
+    "request_labels",
+]
 
 # Grafana's Tempo "trace to profiles" link appears on spans that carry this attribute.
 PROFILE_ID_ATTRIBUTE = "pyroscope.profile.id"
@@ -16,6 +22,19 @@ PROFILE_ID_ATTRIBUTE = "pyroscope.profile.id"
 def is_server_span(span: Span) -> bool:
     """Whether ``span`` is a valid SERVER span another instrumentation already made current."""
     return span.get_span_context().is_valid and getattr(span, "kind", None) is SpanKind.SERVER
+
+
+def is_labelled_span(span: Span) -> bool:
+    """Whether the labels in effect are ``span``'s own: spanprof already handles its request.
+
+    True inside a spanprof middleware's request (ASGI or WSGI, also across the thread pool
+    a WSGI app mounted in an ASGI app runs in), so a second spanprof layer below it (a mounted
+    sub-app with its own middleware) can leave the request, its name and its labels alone.
+    """
+    span_id = LABELS.get().get("span_id")
+    return (
+        span_id is not None and span_id == span.get_span_context().span_id.to_bytes(8, "big").hex()
+    )
 
 
 def request_labels(span: Span, name: str, *, with_trace_id: bool) -> LabelSet:

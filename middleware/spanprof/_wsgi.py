@@ -42,7 +42,7 @@ from ._prometheus import PrometheusMetrics
 from ._routes import UNMATCHED, known_method, span_name
 from ._scope import labels_scope
 from ._settings import FROM_ENV, MiddlewareSettings
-from ._spanlabels import annotate_span, is_server_span, request_labels
+from ._spanlabels import annotate_span, is_labelled_span, is_server_span, request_labels
 from ._wsgi_routes import WSGIRouteResolver, default_route_resolver
 
 if TYPE_CHECKING:
@@ -161,6 +161,11 @@ class WSGIProfilingMiddleware:
         # The first request of each process, after any fork, starts the profiler.
         self._runtime.ensure_started()
         if self._excluded is not None and self._excluded.url_disabled(_request_url(environ)):
+            return self.app(environ, start_response)
+        current = trace.get_current_span()
+        if is_server_span(current) and is_labelled_span(current):
+            # An outer spanprof layer (ASGI or WSGI) owns this request: it keeps its name,
+            # labels and duration.
             return self.app(environ, start_response)
         return self._begin(environ).run(self.app, environ, start_response)
 
