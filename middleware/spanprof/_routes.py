@@ -88,13 +88,13 @@ _Found = tuple["str | None", bool]
 _NO_ROUTES: _Found = (None, False)
 
 # Compiled route tables, keyed by id() of the routes sequence (held, so the id stays its own),
-# checked against the sequence entry by entry as they are used: apps add, insert and replace
-# routes after start-up.
+# with a copy of the sequence they were compiled from: apps add, insert and replace routes after
+# start-up, and comparing the two lists (by identity, in C) catches all of it.
 _ROUTE, _WEBSOCKET, _MOUNT, _HOST, _INCLUDED, _OTHER = range(6)
-# (kind, path regex, methods, template, FastAPI's template, what stands in the sequence, route)
-_Entry = tuple[int, Any, Any, str, str, Any, Any]
+# (kind, path regex, methods, template, FastAPI's template, route)
+_Entry = tuple[int, Any, Any, str, str, Any]
 _MAX_TABLES = 256
-_tables: dict[int, tuple[Sequence[Any], tuple[_Entry, ...]]] = {}
+_tables: dict[int, tuple[Sequence[Any], list[Any], tuple[_Entry, ...]]] = {}
 _singles: dict[int, tuple[Any, tuple[Any, ...]]] = {}
 _MAX_MIDDLEWARE_DEPTH = 8
 
@@ -114,33 +114,40 @@ def _entry(item: Any) -> _Entry:
     # for the prefixed path, or, for an APIRoute, the context itself with the prefixed regex.
     route = item
     if hasattr(item, "effective_candidates"):
-        return (_INCLUDED, None, None, "", "", item, item)
+        return (_INCLUDED, None, None, "", "", item)
     if hasattr(item, "original_route") and hasattr(item, "starlette_route"):
         route = item.starlette_route
         if route is None:
             if getattr(item, "path_regex", None) is None:
-                return (_OTHER, None, None, "", "", item, None)  # a frontend group: low priority
-            return (_ROUTE, item.path_regex, item.methods, item.path, item.path_format, item, item)
+                return (_OTHER, None, None, "", "", None)  # a frontend group: low priority
+            return (_ROUTE, item.path_regex, item.methods, item.path, item.path_format, item)
     if isinstance(route, Route) and _standard(route, Route):
-        return (_ROUTE, route.path_regex, route.methods, route.path, route.path_format, item, route)
+        return (_ROUTE, route.path_regex, route.methods, route.path, route.path_format, route)
     if isinstance(route, WebSocketRoute) and _standard(route, WebSocketRoute):
-        return (_WEBSOCKET, route.path_regex, None, route.path, route.path_format, item, route)
+        return (_WEBSOCKET, route.path_regex, None, route.path, route.path_format, route)
     if isinstance(route, Mount) and _standard(route, Mount):
         prefix = route.path_format.removesuffix("/{path}")
-        return (_MOUNT, route.path_regex, None, route.path, prefix, item, route)
+        return (_MOUNT, route.path_regex, None, route.path, prefix, route)
     if isinstance(route, Host) and _standard(route, Host):
-        return (_HOST, None, None, "", "", item, route)
-    return (_OTHER, None, None, "", "", item, route)
+        return (_HOST, None, None, "", "", route)
+    return (_OTHER, None, None, "", "", route)
 
 
 def _table(routes: Sequence[Any]) -> tuple[_Entry, ...]:
     cached = _tables.get(id(routes))
-    if cached is not None and cached[0] is routes and len(cached[1]) == len(routes):
-        return cached[1]
-    table = tuple(_entry(item) for item in routes)
+    # list == list compares items by identity first; a route replaced by an equal one
+    # (Route.__eq__: same path, endpoint, methods) has the same template anyway.
+    if (
+        cached is not None
+        and cached[0] is routes
+        and cached[1] == (routes if type(routes) is list else list(routes))
+    ):
+        return cached[2]
+    snapshot = list(routes)
+    table = tuple(_entry(item) for item in snapshot)
     if len(_tables) >= _MAX_TABLES:  # a process has a handful of routers; never grow unbounded
         _tables.clear()
-    _tables[id(routes)] = (routes, table)
+    _tables[id(routes)] = (routes, snapshot, table)
     return table
 
 
@@ -157,7 +164,7 @@ def _single(route: Any) -> tuple[Any, ...]:
 
 
 def _match(
-    routes: Sequence[Any], scope: Mapping[str, Any], path: str, fastapi: bool, retry: bool = True
+    routes: Sequence[Any], scope: Mapping[str, Any], path: str, fastapi: bool
 ) -> _Found | None:
     """The template of the route Starlette's (or FastAPI's) router would pick for ``path``.
 
@@ -168,13 +175,7 @@ def _match(
     """
     kind_of_scope = scope["type"]
     partial: str | None = None
-    # Not strict: routes appended since _table() looked are simply not seen this time.
-    for (kind, regex, methods, template, ftemplate, item, route), current in zip(
-        _table(routes), routes, strict=False
-    ):
-        if item is not current:  # replaced in place since the table was compiled
-            _tables.pop(id(routes), None)
-            return _match(routes, scope, path, fastapi, retry=False) if retry else None
+    for kind, regex, methods, template, ftemplate, route in _table(routes):
         if kind == _ROUTE:
             if kind_of_scope == "http" and regex.match(path):
                 name = ftemplate if fastapi else template
@@ -190,7 +191,7 @@ def _match(
             if found:
                 return _mounted(route, scope, "/" + found.group("path"), fastapi, ftemplate), True
         elif kind == _INCLUDED:
-            inner = _match(item.effective_candidates(), scope, path, fastapi)
+            inner = _match(route.effective_candidates(), scope, path, fastapi)
             if inner is not None:
                 if inner[1]:
                     return inner
@@ -253,11 +254,11 @@ def _resolve(app: Any, scope: Mapping[str, Any], path: str, fastapi: bool) -> _F
     """Match ``path`` against the routes of ``app``: a Starlette or FastAPI app, a router, a
     bare route, or any of these behind middleware (``.app``)."""
     for _ in range(_MAX_MIDDLEWARE_DEPTH):
-        if _is_route(app):
-            return _match(_single(app), scope, path, fastapi)
-        router = getattr(app, "router", None)
+        router = getattr(app, "router", None)  # Starlette and FastAPI apps: checked first
         routes = getattr(router, "routes", None)
         if routes is None:
+            if _is_route(app):
+                return _match(_single(app), scope, path, fastapi)
             router = app
             routes = getattr(app, "routes", None)
         if type(routes) is list or isinstance(routes, Sequence):  # list first: skip ABCMeta
