@@ -305,6 +305,28 @@ def test_spanprof_outside_fastapi_telemetry_keeps_one_server_span(
     assert [r["body"]["span_name"] for r in results] == [s.name for s in spans]
 
 
+@needs_fastapi_telemetry
+def test_fastapi_telemetry_names_mounts_and_the_label_follows(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """Mounted apps under FastAPI's telemetry: a FastAPI sub-app's route names the request, a
+    Starlette sub-app only its mount (FastAPI's rule), and the label is that same name."""
+    app = FastAPI(telemetry={"tracer_provider": tracer_provider})
+    v2 = FastAPI()
+
+    @v2.get("/items/{item_id:int}")
+    async def item(item_id: int) -> dict[str, Any]:
+        return _labels()
+
+    app.mount("/v2", v2)
+    app.mount("/legacy", Starlette(routes=[Route("/items/{item_id}", label_view)]))
+    app.add_middleware(ProfilingMiddleware, profiler=None, tracer_provider=tracer_provider)
+    results = get_all(app, ("test", "/v2/items/7"), ("test", "/legacy/items/7"))
+    names = ["GET /v2/items/{item_id}", "GET /legacy/{path}"]
+    assert [s.name for s in server_spans(span_exporter)] == names
+    assert [r["body"] for r in results] == [{"span_name": name} for name in names]
+
+
 def frontend_app(build: Path, **options: Any) -> FastAPI:
     """The bigger app plus ``frontend()`` builds: app-level, and in an included router."""
     (build / "index.html").write_text("<html></html>")
