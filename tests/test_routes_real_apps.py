@@ -440,6 +440,38 @@ def test_routes_changed_after_the_first_request_are_seen(
     assert [s.name for s in server_spans(span_exporter)] == names
 
 
+def test_fastapi_routes_added_after_the_first_request_are_seen(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """A router included after start-up, and a route added to an included router later."""
+    app = bigger_fastapi_app()
+    wrapped = ProfilingMiddleware(app, profiler=None, tracer_provider=tracer_provider)
+    get_all(wrapped, ("test", "/users/me"))
+    late = APIRouter(prefix="/late")
+
+    @late.get("/{thing}")
+    async def thing(thing: str) -> dict[str, Any]:
+        return _labels()
+
+    app.include_router(late)
+    (first,) = get_all(wrapped, ("test", "/late/x"))
+    assert first["body"] == {"span_name": "GET /late/{thing}"}
+
+    async def other(other: str) -> dict[str, Any]:
+        return _labels()
+
+    late.add_api_route("/later/{other}", other, methods=["GET"])
+    # FastAPI >= 0.137 serves routes added to an included router; older releases copied the
+    # routes at include time and answer 404: either way the name follows what is served.
+    (second,) = get_all(wrapped, ("test", "/late/later/y"))
+    if second["status"] == 200:
+        assert second["body"] == {"span_name": "GET /late/later/{other}"}
+        assert server_spans(span_exporter)[-1].name == "GET /late/later/{other}"
+    else:
+        assert second["status"] == 404
+        assert server_spans(span_exporter)[-1].name == "GET <unmatched>"
+
+
 def test_routes_are_found_behind_middleware_that_wraps_the_app(
     tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
 ) -> None:
