@@ -6,8 +6,8 @@ PIP_FLAGS ?= --quiet --disable-pip-version-check
 
 .PHONY: test lint typecheck unit test-matrix route-matrix bench demo clean
 
-# The C extension (spanprof._cproxy) is built by the editable install: rebuild when it changes.
-$(BIN)/.installed: pyproject.toml middleware/spanprof/_cproxy.c
+# The C extension (spanprof._labels._cproxy) is built by the editable install: rebuild when it changes.
+$(BIN)/.installed: pyproject.toml middleware/spanprof/_labels/_cproxy.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(PIP_FLAGS) --upgrade pip
 	$(BIN)/pip install $(PIP_FLAGS) -e '.[dev,demo]'

@@ -75,11 +75,11 @@ def loop_kind(request: pytest.FixtureRequest) -> str:
 def recorder() -> Iterator[spanprof.RecorderBackend]:
     """The label engine installed with a recorder backend, uninstalled afterwards."""
     backend = spanprof.RecorderBackend()
-    spanprof.install_label_engine(backend)
+    spanprof.engine.install_label_engine(backend)
     try:
         yield backend
     finally:
-        spanprof.uninstall_label_engine()
+        spanprof.engine.uninstall_label_engine()
         reset_log_once()
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from spanprof._receiver import PushReceiver
+from spanprof._local._receiver import PushReceiver
 
 from .conftest import require
 from .e2e.analysis import attribute

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spanprof._receiver import PushReceiver
+from spanprof._local._receiver import PushReceiver
 
 from .conftest import require
 from .e2e.analysis import attribute

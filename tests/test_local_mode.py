@@ -34,11 +34,18 @@ from starlette.routing import Route
 from spanprof import ProfilingMiddleware, current_labels
 from spanprof._local import LocalMode, SampleStore, SpanStore, detect_interface, import_app
 from spanprof._local._cli import main as cli_main
+from spanprof._local._receiver import ReceivedPush
 from spanprof._local._slo import policy_env, policy_from
-from spanprof._pprof import Frame, ProfileBuilder, decode_profile
-from spanprof._protowire import as_bytes, as_int, as_str, iter_fields, unpack_varints
-from spanprof._push import PushSeries
-from spanprof._receiver import ReceivedPush
+from spanprof._profiling._encoders._pprof import ProfileBuilder, decode_profile
+from spanprof._profiling._encoders._protowire import (
+    as_bytes,
+    as_int,
+    as_str,
+    iter_fields,
+    unpack_varints,
+)
+from spanprof._profiling._encoders._push import PushSeries
+from spanprof._profiling._window import Frame
 
 from .conftest import require
 from .e2e.markers import MARKER_PREFIX, MARKERS
@@ -395,7 +402,10 @@ def test_apis_reject_bad_ids_and_foreign_hosts(run: LocalRun) -> None:
 @pytest.mark.e2e
 def test_wsgi_apps_run_in_local_mode_too(tmp_path: Path) -> None:
     """A WSGIProfilingMiddleware app: served by threads, its slow request's flame graph works."""
-    require(_importable("spanprof._wsgi"), "spanprof._wsgi (WSGIProfilingMiddleware) is missing")
+    require(
+        _importable("spanprof._web._wsgi"),
+        "spanprof._web._wsgi (WSGIProfilingMiddleware) is missing",
+    )
     with running_local_mode(tmp_path, "tests.test_local_mode:make_wsgi_app") as (app, ui):
         slow = httpx.get(f"{app}/work/9", params={"seconds": 0.5}, timeout=30).json()
         fast = httpx.get(f"{app}/work/3", params={"seconds": 0.02}, timeout=30).json()
@@ -424,8 +434,8 @@ def _importable(module: str) -> bool:
 def test_demo_serves_two_services_and_stops_by_itself(tmp_path: Path) -> None:
     """`python -m sample_app.demo --duration`: traffic, a two-service trace, then a clean exit."""
     require(
-        _importable("fastapi") and _importable("flask") and _importable("spanprof._wsgi"),
-        "the demo needs fastapi, flask and spanprof._wsgi (pip install -e '.[demo]')",
+        _importable("fastapi") and _importable("flask") and _importable("spanprof._web._wsgi"),
+        "the demo needs fastapi, flask and spanprof._web._wsgi (pip install -e '.[demo]')",
     )
     port, ui_port = free_port(), free_port()
     ui = f"http://127.0.0.1:{ui_port}"

@@ -663,15 +663,15 @@ def test_first_request_starts_the_profiler_once(tracer_provider: TracerProvider)
     backend = RecorderBackend()
     app = wrap_flask(flask_app(), tracer_provider, profiler=backend)
     assert backend.started == 0
-    assert spanprof.installed_backend() is None
+    assert spanprof.engine.installed_backend() is None
     try:
         with client(app) as http:
             bodies = [http.get("/items/1").json() for _ in range(3)]
         assert backend.started == 1
-        assert spanprof.installed_backend() is backend
+        assert spanprof.engine.installed_backend() is backend
         assert all(body["thread"] == body["labels"] for body in bodies)
     finally:
-        spanprof.uninstall_label_engine()
+        spanprof.engine.uninstall_label_engine()
 
 
 # --- greenlets ----------------------------------------------------------------------------------

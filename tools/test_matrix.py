@@ -69,8 +69,11 @@ def main() -> int:
         venv = ROOT / f".venv-{version}"
         py = venv / "bin" / "python"
         stamp = venv / ".installed"
-        # The editable install also builds spanprof._cproxy: redo it when its source changes.
-        sources = [ROOT / "pyproject.toml", ROOT / "middleware" / "spanprof" / "_cproxy.c"]
+        # The editable install also builds the C extension: redo it when its source changes.
+        sources = [
+            ROOT / "pyproject.toml",
+            ROOT / "middleware" / "spanprof" / "_labels" / "_cproxy.c",
+        ]
         newest = max(source.stat().st_mtime for source in sources)
         if not stamp.exists() or stamp.stat().st_mtime < newest:
             run([str(exe), "-m", "venv", "--clear", str(venv)])

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from spanprof import ProfilingMiddleware, current_labels
-from spanprof._exact import profiler_from_env
+from spanprof._profiling._choose import profiler_from_env
 
 from .markers import MARKER_PREFIX, background_burn
 

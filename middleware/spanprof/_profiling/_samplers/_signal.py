@@ -49,20 +49,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import Any
 
-from ._engine import run_labelled
-from ._labelset import EMPTY, LABELS, LabelSet
-from ._pprof import Frame
+from ..._labels._engine import run_labelled
+from ..._labels._labelset import EMPTY, LABELS, LabelSet
+from .._window import StackTables, Window
 
 __all__ = [
     "CLOCKS",
     "Sampler",
     "SamplerUnavailable",
     "SignalInUse",
-    "Window",
     "signal_for",
     "thread_cpu_clock",
     "unavailable_reason",
@@ -188,82 +186,6 @@ def _loop_driver_code(frame: FrameType | None) -> CodeType | None:
     return None
 
 
-def _code_name(code: CodeType) -> str:
-    # Qualified names (Class.method) from 3.11 on, as pyroscope-io reports them.
-    name: str = getattr(code, "co_qualname", code.co_name)
-    return name
-
-
-class _Tables:
-    """Interned frames and stacks, shared by consecutive windows."""
-
-    __slots__ = ("code_refs", "frame_ids", "frames", "stack_ids", "stacks")
-
-    def __init__(self) -> None:
-        # (id(code), lasti) -> frame id; code objects are kept alive so their ids stay unique.
-        self.frame_ids: dict[tuple[int, int], int] = {}
-        self.frames: list[Frame] = []
-        self.code_refs: dict[int, CodeType] = {}
-        self.stack_ids: dict[tuple[int, ...], int] = {}
-        self.stacks: list[tuple[Frame, ...]] = []
-
-    def add_frame(self, key: tuple[int, int], frame: FrameType) -> int:
-        code = frame.f_code
-        self.code_refs[key[0]] = code
-        name = _code_name(code)
-        fid = len(self.frames)
-        self.frames.append(Frame(name, code.co_filename, frame.f_lineno or code.co_firstlineno))
-        self.frame_ids[key] = fid
-        return fid
-
-    def raw_frame(self, code: CodeType, lasti: int, line: int) -> int:
-        key = (id(code), lasti)
-        fid = self.frame_ids.get(key)
-        if fid is None:
-            self.code_refs[key[0]] = code
-            name = _code_name(code)
-            fid = len(self.frames)
-            self.frames.append(Frame(name, code.co_filename, line))
-            self.frame_ids[key] = fid
-        return fid
-
-    def stack_of(self, key: tuple[int, ...]) -> int:
-        sid = self.stack_ids.get(key)
-        if sid is None:
-            sid = self.add_stack(key)
-        return sid
-
-    def add_stack(self, key: tuple[int, ...]) -> int:
-        frames = self.frames
-        sid = len(self.stacks)
-        self.stacks.append(tuple(frames[i] for i in key))
-        self.stack_ids[key] = sid
-        return sid
-
-    def __len__(self) -> int:
-        return len(self.stacks) + len(self.frames)
-
-
-@dataclass
-class Window:
-    """Samples of one upload interval: weight (ns) per ``(stack id, labels)``.
-
-    ``stack(sid)`` resolves a stack id to its frames, leaf first.
-    """
-
-    start_ns: int
-    tables: _Tables
-    values: dict[tuple[int, LabelSet], int] = field(default_factory=dict)
-    end_ns: int = 0
-
-    def stack(self, sid: int) -> tuple[Frame, ...]:
-        """The frames of stack ``sid``, leaf first."""
-        return self.tables.stacks[sid]
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-
 class _ThreadState:
     """What the handler knows about one non-main thread (handler-owned)."""
 
@@ -289,7 +211,7 @@ class _ThreadState:
         self.last_stack = -1
         self.last_labels: LabelSet | None = None
         self.last_tick = -1
-        self.tables: _Tables | None = None
+        self.tables: StackTables | None = None
         # The blocking frame it waited in at the last look (same object: it never left it), and
         # in wall mode the waiting leaf whose stack is last_stack.
         self.waiting_in: FrameType | None = None
@@ -340,10 +262,10 @@ class Sampler:
         self._previous_handler: Any = signal.SIG_DFL
         self._main_ident = 0
         self._main_last = 0
-        self._main_sample: tuple[int, LabelSet, _Tables, int] | None = None
+        self._main_sample: tuple[int, LabelSet, StackTables, int] | None = None
         self._blocking: dict[int, CodeType] = {}
         self._main_idle: dict[int, CodeType] = {}
-        self._window = Window(time.time_ns(), _Tables())
+        self._window = Window(time.time_ns(), StackTables())
         self._states: dict[int, _ThreadState] = {}
         self._labels: dict[int, LabelSet] = {}
         # Per thread, bumped before and after each label change (see _sample_threads).
@@ -357,7 +279,7 @@ class Sampler:
         # Linux checks CPU timers on scheduler ticks (4 ms at HZ=250): an interval that short is
         # already quantised to whole ticks, and jittering it would only lower the rate.
         self._jitter = clock == "wall" or self.interval >= 0.008
-        self._entries: dict[int, tuple[_RawStack, int, _Tables]] = {}
+        self._entries: dict[int, tuple[_RawStack, int, StackTables]] = {}
         # Wall and CPU time of the last handler runs: how long the main thread was held up.
         self._stalls = [0] * _STALL_RING
         self._stall_cpu = [0] * _STALL_RING
@@ -488,7 +410,7 @@ class Sampler:
     def take_window(self) -> Window:
         """Swap in a new window and return the finished one (no handler writes it any more)."""
         old = self._window
-        tables = old.tables if len(old.tables) < MAX_TABLE_SIZE else _Tables()
+        tables = old.tables if len(old.tables) < MAX_TABLE_SIZE else StackTables()
         self._window = Window(time.time_ns(), tables)
         # A handler that read the old window before the swap may still be adding to it (it can
         # be preempted mid-tick); it finishes within microseconds once it gets the GIL back.
@@ -607,7 +529,7 @@ class Sampler:
 
     def _sample_main(
         self, window: Window, frame: FrameType, tick: int, delta: int
-    ) -> tuple[int, LabelSet, _Tables, int]:
+    ) -> tuple[int, LabelSet, StackTables, int]:
         # The handler runs in the interrupted code's context: these are the running task's
         # (or callback's) labels, read at the same instant as its stack.
         labels = LABELS.get()
@@ -766,7 +688,7 @@ class Sampler:
         values = window.values
         values[key] = values.get(key, 0) + weight
 
-    def _stack_id(self, tables: _Tables, frame: FrameType | None) -> int:
+    def _stack_id(self, tables: StackTables, frame: FrameType | None) -> int:
         ids: list[int] = []
         append = ids.append
         get = tables.frame_ids.get
@@ -781,7 +703,7 @@ class Sampler:
             depth += 1
         return tables.stack_of(tuple(ids))
 
-    def _entry_stack_id(self, tables: _Tables, raw: _RawStack) -> int:
+    def _entry_stack_id(self, tables: StackTables, raw: _RawStack) -> int:
         # Keyed by identity: _job_entry returns the same tuple for the same stack, and hashing
         # its code objects would cost more than interning them.
         hit = self._entries.get(id(raw))

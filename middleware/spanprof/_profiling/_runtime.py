@@ -4,17 +4,29 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable
 
-from ._backend import ProfilerBackend
-from ._engine import install_label_engine, installed_backend, uninstall_label_engine
-from ._logging import log_once
+from .._labels._backend import ProfilerBackend
+from .._labels._engine import install_label_engine, installed_backend, uninstall_label_engine
+from .._logging import log_once
 
-__all__ = ["SHUTDOWN_TIMEOUT_SECONDS", "ProfilerRuntime"]
+__all__ = ["SHUTDOWN_TIMEOUT_SECONDS", "ProfilerRuntime", "stop_started"]
 
 # A flush to an endpoint that accepts but never answers would otherwise hold the server's
 # graceful shutdown hostage (measured: pyroscope-io's shutdown() blocks for good).
 SHUTDOWN_TIMEOUT_SECONDS = 5.0
+
+
+# Runtimes started in this process, for whoever must flush them without a server shutdown event
+# (local mode under a WSGI server).
+_started: weakref.WeakSet[ProfilerRuntime] = weakref.WeakSet()
+
+
+def stop_started() -> None:
+    """Stop (uninstall and flush) every runtime started in this process."""
+    for runtime in list(_started):
+        runtime.stop()
 
 
 class ProfilerRuntime:
@@ -62,6 +74,7 @@ class ProfilerRuntime:
                 )
             else:
                 install_label_engine(backend)
+                _started.add(self)
             finally:
                 # Set last: until the engine feeds the backend, other threads' first requests
                 # wait in ensure_started() instead of setting labels nobody pushes.
@@ -76,6 +89,7 @@ class ProfilerRuntime:
             if self._pid != os.getpid():
                 return
             self._pid = None
+            _started.discard(self)
             if installed_backend() is backend:
                 uninstall_label_engine()
         if not _call_with_timeout(backend.shutdown, self.shutdown_timeout):

@@ -21,10 +21,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _engine
-from ._engine import apply
+from .._logging import log_once
+from ._engine import apply, check_native_thread_state
 from ._labelset import LABELS
-from ._logging import log_once
 
 __all__ = ["install_greenlet_labels", "uninstall_greenlet_labels"]
 
@@ -72,26 +71,6 @@ def _inherit_labels(glet: Any) -> None:
         )
 
 
-def _check_engine_state() -> None:
-    # The engine remembers what it pushed per OS thread. If spanprof was imported after
-    # gevent's monkey patching, that "thread-local" state is greenlet-local instead, and
-    # switches would leave stale labels on the thread.
-    import sys
-
-    monkey = sys.modules.get("gevent.monkey")
-    if monkey is None or not isinstance(_engine._tls, _engine._ThreadState):
-        # Not a threading.local: spanprof._cproxy's ThreadLabels, kept in the OS thread's state
-        # whatever gevent patched.
-        return
-    native_local = monkey.get_original("_thread", "_local")
-    if not isinstance(_engine._tls, native_local):
-        raise RuntimeError(
-            "spanprof was imported after gevent.monkey.patch_all(), so its per-thread state is "
-            "per-greenlet; import spanprof before patching (e.g. with gunicorn's preload_app "
-            "or an import at the top of the gunicorn config)"
-        )
-
-
 def install_greenlet_labels() -> None:
     """Keep profile labels exact across greenlet switches on the calling thread.
 
@@ -110,7 +89,7 @@ def install_greenlet_labels() -> None:
     import greenlet
 
     global _spawn_hooked
-    _check_engine_state()
+    check_native_thread_state()
     with _lock:
         current = greenlet.gettrace()
         if isinstance(current, _SwitchTracer):

@@ -21,9 +21,9 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
-from ._pprof import Frame
-from ._protowire import ProtoDecodeError
-from ._push import PUSH_PATH, PushSeries, decode_push_request
+from .._profiling._encoders._protowire import ProtoDecodeError
+from .._profiling._encoders._push import PUSH_PATH, PushSeries, decode_push_request
+from .._profiling._window import Frame
 
 __all__ = ["PushReceiver", "ReceivedPush", "ReceivedSample"]
 

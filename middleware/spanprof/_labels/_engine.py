@@ -38,9 +38,9 @@ from asyncio import format_helpers
 from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ._backend import ProfilerBackend
+from .._logging import log_once
+from ._backend import ProfilerBackend, ReadsMainThreadContext
 from ._labelset import EMPTY, LABELS, LabelSet
-from ._logging import log_once
 
 try:
     from ._cproxy import HandleRunHook as _CHandleRunHook
@@ -56,6 +56,7 @@ except ImportError:  # installed without a C compiler: the Python versions below
 __all__ = [
     "apply",
     "attach_loop",
+    "check_native_thread_state",
     "install_label_engine",
     "installed_backend",
     "run_labelled",
@@ -140,6 +141,26 @@ def apply(labels: LabelSet) -> None:
 def sync() -> None:
     """Push the current context's labels for the calling thread (after a ``LABELS.set``)."""
     apply(LABELS.get())
+
+
+def check_native_thread_state() -> None:
+    """Raise ``RuntimeError`` if the engine's per-thread state is per greenlet instead.
+
+    The engine remembers what it pushed per OS thread. If spanprof was imported after gevent's
+    monkey patching, a Python ``threading.local`` state would be greenlet-local, and switches
+    would leave stale labels on the thread. The C state lives in the OS thread's state whatever
+    gevent patched.
+    """
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is None or not isinstance(_tls, _ThreadState):
+        return
+    native_local = monkey.get_original("_thread", "_local")
+    if not isinstance(_tls, native_local):
+        raise RuntimeError(
+            "spanprof was imported after gevent.monkey.patch_all(), so its per-thread state is "
+            "per-greenlet; import spanprof before patching (e.g. with gunicorn's preload_app "
+            "or an import at the top of the gunicorn config)"
+        )
 
 
 def installed_backend() -> ProfilerBackend | None:
@@ -331,9 +352,11 @@ def attach_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
 
 def _samples_context_here() -> bool:
     # The exact sampler reads the main thread's labels from the context running at each sample
-    # (needs_step_hooks is False): its loops need no per-step pushes.
+    # (ReadsMainThreadContext): its loops need no per-step pushes.
+    backend = _backend
     return (
-        getattr(_backend, "needs_step_hooks", True) is False
+        isinstance(backend, ReadsMainThreadContext)
+        and not backend.needs_step_hooks
         and threading.current_thread() is threading.main_thread()
     )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from opentelemetry.trace import Span, SpanKind
 
-from ._labelset import LABELS, LabelSet
+from .._labels._labelset import LABELS, LabelSet
 from ._routes import span_name_label
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The exact profiler backend, and the choice between it and pyroscope-io.
+"""The exact profiler backend: spanprof's own sampler and uploader.
 
 ``ExactBackend`` samples with spanprof's own signal-driven sampler (``_sampler``), which reads a
 thread's stack and its labels at the same instant, and uploads with ``_pusher`` to the same
@@ -13,18 +13,15 @@ import os
 import threading
 from collections.abc import Mapping
 
-from ._backend import ProfilerBackend
-from ._labelset import LabelSet
-from ._logging import logger
-from ._pusher import Pusher, series_labels
+from .._labels._labelset import LabelSet
+from .._logging import logger
+from ._encoders._window import series_labels
+from ._exporters._pusher import Pusher
 from ._pyroscope import PyroscopeBackend
-from ._pyroscope_settings import PyroscopeSettings, WithPyroscopeSettings
-from ._sampler import CLOCKS, Sampler, SamplerUnavailable
+from ._samplers._signal import CLOCKS, Sampler, SamplerUnavailable
+from ._settings import PyroscopeSettings, WithPyroscopeSettings
 
-__all__ = ["PROFILERS", "ExactBackend", "profiler_from_env"]
-
-#: Values of ``SPANPROF_PROFILER``.
-PROFILERS = ("pyroscope", "exact")
+__all__ = ["ExactBackend"]
 
 
 def _ignore(previous: LabelSet, current: LabelSet) -> None:
@@ -238,18 +235,3 @@ class ExactBackend(WithPyroscopeSettings):
         # before any further call (the middleware pushes twice per request).
         if threading.get_ident() != self._context_thread:
             self._sink(previous, current)
-
-
-def profiler_from_env(environ: Mapping[str, str] | None = None) -> ProfilerBackend | None:
-    """The profiler ``SPANPROF_PROFILER`` names, configured from ``PYROSCOPE_*``, or ``None``.
-
-    ``pyroscope`` (default): ``PyroscopeBackend.from_env``; ``exact``: ``ExactBackend.from_env``.
-    Either is ``None`` when ``PYROSCOPE_SERVER_ADDRESS`` is unset.
-    """
-    env = os.environ if environ is None else environ
-    choice = env.get("SPANPROF_PROFILER", "").strip().lower() or "pyroscope"
-    if choice == "pyroscope":
-        return PyroscopeBackend.from_env(env)
-    if choice == "exact":
-        return ExactBackend.from_env(env)
-    raise ValueError(f"SPANPROF_PROFILER={choice!r}: expected one of {', '.join(PROFILERS)}")

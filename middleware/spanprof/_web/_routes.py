@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._labelset import sanitize_value
+from .._labels._labelset import sanitize_value
 
 __all__ = [
     "UNMATCHED",

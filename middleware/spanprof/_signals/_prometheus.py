@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Span
 
+from .._types import ASGIApp
 from ._duration import DURATION_BUCKETS
-from ._types import ASGIApp
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TypedDict, cast
 
-from ._config import parse_int, parse_labels, parse_seconds, parse_server_address
+from .._config import parse_int, parse_seconds, parse_server_address
+from .._labels._labelset import parse_labels
 
 __all__ = ["PyroscopeSettings", "SettingsArguments", "WithPyroscopeSettings"]
 
