@@ -486,7 +486,7 @@ def test_routes_are_found_behind_middleware_that_wraps_the_app(
 
 def test_route_tables_stay_bounded() -> None:
     """Thousands of short-lived routers never grow the compiled-table cache without bound."""
-    from spanprof import _routes  # spanprof._web._routes once the layout work lands
+    from spanprof._web import _routes
 
     scope = {"type": "http", "method": "GET", "path": "/x", "root_path": "", "headers": []}
     for _ in range(3 * _routes._MAX_TABLES):
