@@ -33,7 +33,7 @@ test-matrix: $(BIN)/.installed
 route-matrix: $(BIN)/.installed
 	$(BIN)/python tools/route_matrix.py
 
-test: lint typecheck unit test-matrix
+test: lint typecheck unit test-matrix route-matrix
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.run --write docs/benchmarks.md

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import anyio
+import anyio.lowlevel
 import sniffio
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -76,7 +77,7 @@ async def work(request: Request) -> Response:
     loop_cpu = 0.0
     for _ in range(HANDLER_STEPS * units):
         loop_cpu += marker(STEP)
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
 
     children: list[float] = []
 
@@ -84,7 +85,7 @@ async def work(request: Request) -> Response:
         cpu = 0.0
         for _ in range(CHILD_STEPS * units):
             cpu += marker(STEP)
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
         children.append(cpu)
 
     async with anyio.create_task_group() as group:
