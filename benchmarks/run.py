@@ -25,6 +25,7 @@ from . import (
     bench_faults,
     bench_instructions,
     bench_request,
+    bench_servers,
 )
 from ._report import Section, machine_info, render
 
@@ -37,6 +38,7 @@ BENCHMARKS: dict[str, Callable[[bool], Section]] = {
     "faults": bench_faults.run,
     "exact": bench_exact.run,
     "accuracy": bench_accuracy.run,
+    "servers": bench_servers.run,
     "instructions": bench_instructions.run,
 }
 
