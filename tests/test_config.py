@@ -102,3 +102,28 @@ def test_spanprof_profiler_selects_the_backend() -> None:
     assert isinstance(agent, PyroscopeBackend)
     with pytest.raises(ValueError, match="SPANPROF_PROFILER"):
         ProfilingMiddleware(_app, environ={**base, "SPANPROF_PROFILER": "perf"})
+
+
+def test_startup_says_which_profiler_runs(caplog: pytest.LogCaptureFixture) -> None:
+    """The agent, asked for directly, gets one INFO line saying so, and how to get exact."""
+    import logging
+
+    from spanprof._profiling._runtime import ProfilerRuntime
+
+    class Agentless(PyroscopeBackend):
+        def start(self) -> None:  # the real agent is not needed to see the line
+            pass
+
+        def shutdown(self) -> None:
+            pass
+
+    runtime = ProfilerRuntime(Agentless(server_address="http://p:4040", application_name="a"))
+    with caplog.at_level(logging.INFO, logger="spanprof"):
+        runtime.start()
+    try:
+        lines = [r.getMessage() for r in caplog.records if "profiling with" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert "pyroscope-io and the label engine" in lines[0]
+        assert "unset SPANPROF_PROFILER" in lines[0]
+    finally:
+        runtime.stop()

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator
 from .._labels._backend import ProfilerBackend
 from .._labels._engine import install_label_engine, installed_backend, uninstall_label_engine
 from .._labels._greenlets import greenlets_in_use, install_greenlet_labels
-from .._logging import log_once
+from .._logging import log_once, logger
+from ._pyroscope import PyroscopeBackend
 
 __all__ = ["SHUTDOWN_TIMEOUT_SECONDS", "ProfilerRuntime", "stop_started"]
 
@@ -79,6 +80,15 @@ class ProfilerRuntime:
                 install_label_engine(backend)
                 _started.add(self)
                 _follow_greenlets()
+                if isinstance(backend, PyroscopeBackend):
+                    # The exact backend says what it runs itself; the agent asked for directly
+                    # says nothing of its own.
+                    logger.info(
+                        "spanprof: profiling with pyroscope-io and the label engine (pid %d), as "
+                        "configured; samples may carry the labels of whatever ran ~0.2 ms after "
+                        "the stack was read (unset SPANPROF_PROFILER for the exact sampler)",
+                        pid,
+                    )
             finally:
                 # Set last: until the engine feeds the backend, other threads' first requests
                 # wait in ensure_started() instead of setting labels nobody pushes.
