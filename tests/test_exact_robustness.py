@@ -1,0 +1,214 @@
+"""Issue #13: the exact profiler and its uploader survive bad settings and bad servers."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from spanprof._labels._labelset import LabelSet
+from spanprof._local._receiver import PushReceiver
+from spanprof._profiling._encoders._window import series_labels
+from spanprof._profiling._exact import ExactBackend
+from spanprof._profiling._exporters._pusher import Pusher
+from spanprof._profiling._window import StackTables, Window
+
+from .e2e.faults import faulty_endpoint, read_request
+from .recording_server import PostedRequest, RecordingServer
+
+
+def _leaf() -> None:
+    return None
+
+
+def _window(value: int = 10_000_000) -> Window:
+    """A one-sample window (``_leaf``), labelled with one span."""
+    tables = StackTables()
+    code = _leaf.__code__
+    sid = tables.stack_of((tables.raw_frame(code, 0, code.co_firstlineno),))
+    window = Window(time.time_ns(), tables)
+    window.values[(sid, LabelSet({"span_id": "00000000000000aa"}))] = value
+    window.end_ns = window.start_ns + 1_000_000
+    return window
+
+
+class _Windows:
+    """A collect() for the pusher that counts how often it was called."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    def __call__(self) -> Window:
+        self.taken += 1
+        return _window()
+
+
+def _pusher(url: str, **options: object) -> Pusher:
+    defaults: dict[str, object] = {
+        "server_address": url,
+        "labels": series_labels("svc", {}),
+        "period_ns": 10_000_000,
+        "upload_interval": 0.1,
+        "backoff_initial": 0.05,
+        "backoff_max": 0.2,
+        "flush_timeout": 0.5,
+        "timeout": 0.5,
+    }
+    return Pusher(**{**defaults, **options})  # type: ignore[arg-type]
+
+
+def _wait(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_once() -> Iterator[None]:
+    from spanprof._logging import reset_log_once
+
+    reset_log_once()
+    yield
+    reset_log_once()
+
+
+# --- 1. header values ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [({"tenant_id": "team-a\n"}, "tenant_id"), ({"server_address": "http://p:99999"}, "server")],
+)
+def test_the_uploader_refuses_what_it_could_not_send(options: dict[str, str], name: str) -> None:
+    """Pusher checks its own arguments like the settings do: ValueError, not a dead thread."""
+    with pytest.raises(ValueError, match=name):
+        _pusher("http://p:4040", **options)
+
+
+def test_no_exception_ends_the_upload_thread(caplog: pytest.LogCaptureFixture) -> None:
+    """An upload that raises something unexpected is logged once; windows keep being taken."""
+    with PushReceiver() as receiver:
+        pusher = _pusher(receiver.url)
+        # Fault injection: a header value http.client refuses (ValueError in putheader), past
+        # the configuration's checks.
+        pusher._headers["X-Scope-OrgID"] = "team-a\n"
+        windows = _Windows()
+        with caplog.at_level(logging.WARNING, logger="spanprof"):
+            pusher.start(windows)
+            try:
+                assert _wait(lambda: pusher.stats()["upload_errors"] >= 3, 5), pusher.stats()
+                taken = windows.taken
+                # Still taking the sampler's window every interval: its memory stays bounded.
+                assert _wait(lambda: windows.taken >= taken + 3, 5), windows.taken
+                assert pusher._thread is not None
+                assert pusher._thread.is_alive()
+                assert pusher.stats()["pending"] <= pusher.max_pending
+                # And it uploads again once the header is fixed.
+                pusher._headers["X-Scope-OrgID"] = "team-a"
+                assert receiver.wait_for(lambda r: r.pushes >= 1, timeout=5)
+            finally:
+                pusher.stop()
+    assert len(_messages(caplog, "goes on with the next window")) == 1
+
+
+# --- 7. credentials in the address ---------------------------------------------------------------
+
+
+def test_credentials_in_the_address_are_sent_as_basic_auth_and_never_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """user:pass@ in the URL becomes basic auth; the URL logged and kept has no password."""
+
+    class Refuse(RecordingServer):
+        def respond(self, request: PostedRequest) -> int:
+            return 401
+
+    with Refuse() as server:
+        address = server.url.replace("http://", "http://alice:s%3Acret@")
+        backend = ExactBackend(server_address=address, application_name="a")
+        assert backend.server_address == server.url
+        assert (backend.basic_auth_username, backend.basic_auth_password) == ("alice", "s:cret")
+        pusher = _pusher(address, upload_interval=3600)
+        windows = _Windows()
+        with caplog.at_level(logging.WARNING, logger="spanprof"):
+            pusher.start(windows)
+            pusher.stop()
+    # base64("alice:s:cret")
+    assert server.requests[0].headers["authorization"] == "Basic YWxpY2U6czpjcmV0"
+    assert pusher.stats()["rejected"] == 1
+    (refused,) = _messages(caplog, "refused the profile upload's credentials")
+    assert "HTTP 401" in refused
+    assert "PYROSCOPE_BASIC_AUTH_USER" in refused
+    assert all("cret" not in r.getMessage() for r in caplog.records)
+
+
+# --- 8. slow and huge answers --------------------------------------------------------------------
+
+
+def test_a_trickling_server_cannot_hold_an_upload_past_its_deadline(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An answer trickling a byte every 0.1 s fails the 0.5 s upload; the next window is taken."""
+    with faulty_endpoint("trickle", trickle_every=0.1) as address:
+        pusher = _pusher(address, timeout=0.5, upload_interval=0.2)
+        windows = _Windows()
+        with caplog.at_level(logging.WARNING, logger="spanprof"):
+            started = time.monotonic()
+            pusher.start(windows)
+            try:
+                assert _wait(lambda: pusher.stats()["failures"] >= 2, 6), pusher.stats()
+                assert windows.taken >= 2
+            finally:
+                pusher.stop()
+            elapsed = time.monotonic() - started
+    # Two uploads of at most 0.5 s each, plus intervals and back-off.
+    assert elapsed < 5, elapsed
+    (failed,) = _messages(caplog, "failed (no answer within 0.5 s")
+    assert address in failed
+
+
+def test_a_huge_answer_is_not_read_whole() -> None:
+    """A 200 with a 200 MB body: the uploader reads a few KiB and drops the connection."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    sent = [0]
+    size = 200 * 1024 * 1024
+
+    def serve() -> None:
+        conn = listener.accept()[0]
+        with conn:
+            read_request(conn)
+            chunk = b"x" * 65536
+            try:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+                while sent[0] < size:
+                    conn.sendall(chunk)
+                    sent[0] += len(chunk)
+            except OSError:
+                return
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        pusher = _pusher(f"http://127.0.0.1:{listener.getsockname()[1]}", upload_interval=3600)
+        pusher.start(_Windows())
+        pusher.stop()
+        thread.join(10)
+    finally:
+        listener.close()
+    assert not thread.is_alive()
+    assert pusher.stats()["uploads"] == 1
+    # Whatever loopback's socket buffers took before the connection was closed; not 200 MB.
+    assert sent[0] < 32 * 1024 * 1024, sent[0]
