@@ -23,6 +23,7 @@ from spanprof._profiling._exact import ExactBackend
 from spanprof._profiling._exporters._pusher import Pusher
 from spanprof._profiling._runtime import ProfilerRuntime
 from spanprof._profiling._samplers._signal import Sampler
+from spanprof._profiling._samplers._timer import ThreadTimer
 from spanprof._profiling._window import StackTables, Window
 
 from .conftest import require
@@ -385,3 +386,35 @@ def test_current_frames_leaves_the_collectors_state_as_it_was(enabled: bool) -> 
             assert gc.isenabled() is enabled, guard
     finally:
         gc.enable()
+
+
+# --- 2. a failed start leaves nothing behind -----------------------------------------------------
+
+
+def _pusher_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "spanprof-exact-pusher"]
+
+
+@pytest.mark.parametrize("failing", ["pusher", "timer"])
+def test_a_failed_start_leaves_no_timer_handler_or_thread(
+    failing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever fails in ExactBackend.start, SIGPROF and its timer are as before."""
+    require(LINUX, "the exact sampler needs Linux thread CPU clocks")
+
+    def broken(*args: object, **kwargs: object) -> bool:
+        raise RuntimeError("injected: can't start new thread")
+
+    if failing == "pusher":
+        monkeypatch.setattr(Pusher, "start", broken)
+    else:
+        monkeypatch.setattr(ThreadTimer, "arm", broken)
+    before = _pusher_threads()
+    backend = ExactBackend(server_address="http://127.0.0.1:9", application_name="a")
+    with pytest.raises(RuntimeError, match="injected"):
+        backend.start()
+    assert backend.mode == "stopped"
+    assert signal.getsignal(signal.SIGPROF) == signal.SIG_DFL
+    assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
+    MARKERS[0](0.05)  # a timer left armed would deliver SIGPROF now (default action: exit)
+    assert _pusher_threads() == before
