@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from spanprof import ExactBackend, ProfilingMiddleware, PyroscopeBackend
@@ -154,14 +156,14 @@ def test_an_address_error_never_shows_the_password() -> None:
 
 def test_reprs_never_show_the_password() -> None:
     """repr() of the settings and of both backends shows '***' for the password."""
-    arguments = {
+    arguments: dict[str, Any] = {
         "server_address": "http://p:4040",
         "application_name": "a",
         "basic_auth_username": "u",
         "basic_auth_password": "hunter2",
     }
     for thing in (
-        PyroscopeSettings(**arguments),  # type: ignore[arg-type]
+        PyroscopeSettings(**arguments),
         ExactBackend(**arguments),
         PyroscopeBackend(**arguments, extra_options={"http_headers": {"X-Token": "hunter3"}}),
     ):

@@ -67,10 +67,13 @@ from ..._labels._labelset import EMPTY, LABELS, LabelSet
 from .._window import StackTables, Window
 from ._timer import CLOCK_MONOTONIC, CLOCK_PROCESS_CPUTIME_ID, ThreadTimer
 
+_c_current_frames_gc_off: Callable[[], dict[int, FrameType]] | None
 try:
-    from ..._labels._cproxy import current_frames_gc_off as _c_current_frames_gc_off
+    from ..._labels import _cproxy
 except ImportError:  # built without a compiler
     _c_current_frames_gc_off = None
+else:
+    _c_current_frames_gc_off = _cproxy.current_frames_gc_off
 
 __all__ = [
     "CLOCKS",
@@ -405,10 +408,10 @@ class Sampler:
         if driver is not None and not _is_python_loop_running():
             self._main_idle[id(driver)] = driver
         self._main_last = self._now_main()
-        if _is_sampler_handler(current):
+        owner = _sampler_of(current)
+        if owner is not None:
             # A sampler's handler is still installed (stopped off the main thread, or before a
             # fork): what it would have put back is what this one puts back.
-            owner: Sampler = current.__self__
             self._previous_handler = owner._previous_handler
             owner._restore_pending = False
         else:
@@ -891,6 +894,11 @@ def _active_thread(ident: int) -> threading.Thread | None:
 
 def _is_sampler_handler(handler: object) -> bool:
     return isinstance(getattr(handler, "__self__", None), Sampler)
+
+
+def _sampler_of(handler: object) -> Sampler | None:
+    owner = getattr(handler, "__self__", None)
+    return owner if isinstance(owner, Sampler) else None
 
 
 def _is_python_loop_running() -> bool:
