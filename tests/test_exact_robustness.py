@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from spanprof._local._receiver import PushReceiver
 from spanprof._profiling._encoders._window import series_labels
 from spanprof._profiling._exact import ExactBackend
 from spanprof._profiling._exporters._pusher import Pusher
+from spanprof._profiling._exporters._reachability import ReachabilityWatch
 from spanprof._profiling._runtime import ProfilerRuntime
 from spanprof._profiling._samplers._signal import Sampler
 from spanprof._profiling._samplers._timer import ThreadTimer
@@ -29,6 +31,7 @@ from spanprof._profiling._window import StackTables, Window
 from .conftest import require
 from .e2e.faults import faulty_endpoint, read_request
 from .e2e.markers import MARKERS
+from .e2e.server import ROOT, free_port
 from .recording_server import PostedRequest, RecordingServer
 
 
@@ -418,3 +421,70 @@ def test_a_failed_start_leaves_no_timer_handler_or_thread(
     assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
     MARKERS[0](0.05)  # a timer left armed would deliver SIGPROF now (default action: exit)
     assert _pusher_threads() == before
+
+
+# --- 10. pyroscope-io says nothing when the server is away: spanprof says it once ---------------
+
+
+def test_an_unreachable_server_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A refused connection is logged once, naming the server, however often it is probed."""
+    address = f"http://127.0.0.1:{free_port()}"
+    watch = ReachabilityWatch(address, interval=0.05, who="pyroscope-io")
+    with caplog.at_level(logging.WARNING, logger="spanprof"):
+        watch.start()
+        assert _wait(lambda: watch.failures >= 1, 5)
+        time.sleep(0.2)
+        watch.stop()
+    (message,) = _messages(caplog, "is unreachable")
+    assert address in message
+    assert "ConnectionRefusedError" in message
+    assert "pyroscope-io does not log this itself" in message
+    assert watch.failures == 1  # it stopped probing once it had said it
+
+
+def test_a_server_gone_at_shutdown_is_logged_then(caplog: pytest.LogCaptureFixture) -> None:
+    """Reachable at start, gone at shutdown: the last check says the last profiles are lost."""
+    with caplog.at_level(logging.WARNING, logger="spanprof"):
+        with RecordingServer() as server:
+            watch = ReachabilityWatch(server.url, interval=60, who="pyroscope-io")
+            watch.start()
+            time.sleep(0.1)
+        assert _messages(caplog, "unreachable") == []
+        watch.stop()
+    (message,) = _messages(caplog, "is unreachable")
+    assert "at shutdown" in message
+
+
+_AGENT_SCRIPT = """
+import logging, sys, time
+from spanprof._profiling._pyroscope import PyroscopeBackend
+
+logging.basicConfig(level=logging.WARNING)
+backend = PyroscopeBackend(server_address=sys.argv[1], application_name="probe", upload_interval=1)
+backend.start()
+time.sleep(2.5)
+backend.shutdown()
+print("done", flush=True)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+def test_the_pyroscope_backend_says_once_that_its_server_is_unreachable(tmp_path: Path) -> None:
+    """The real agent against a closed port: one warning, from start to shutdown."""
+    script = tmp_path / "agent.py"
+    script.write_text(_AGENT_SCRIPT)
+    address = f"http://127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}"}
+    proc = subprocess.run(
+        [sys.executable, str(script), address],
+        capture_output=True,
+        text=True,
+        timeout=45,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "done" in proc.stdout
+    assert proc.stderr.count("is unreachable") == 1, proc.stderr
+    assert address in proc.stderr
