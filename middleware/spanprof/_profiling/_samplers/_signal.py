@@ -389,12 +389,6 @@ class Sampler:
                 f"spanprof's exact profiler needs the {name} interval timer, but it is already "
                 "armed by someone else; use SPANPROF_PROFILER=pyroscope"
             )
-        try:
-            directed = ThreadTimer(self._clock_id, self.signum, threading.get_native_id())
-        except OSError as exc:
-            raise SamplerUnavailable(
-                f"it needs a timer that signals the main thread (timer_create): {exc}"
-            ) from exc
         self._main_ident = threading.get_ident()
         # A restart begins like the label engine's install: every thread from empty labels.
         self._labels.clear()
@@ -416,6 +410,12 @@ class Sampler:
             owner._restore_pending = False
         else:
             self._previous_handler = current
+        try:
+            directed = ThreadTimer(self._clock_id, self.signum, threading.get_native_id())
+        except OSError as exc:
+            raise SamplerUnavailable(
+                f"it needs a timer that signals the main thread (timer_create): {exc}"
+            ) from exc
         self._restore_pending = False
         try:
             signal.signal(self.signum, self._on_signal)
