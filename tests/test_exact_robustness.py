@@ -488,3 +488,20 @@ def test_the_pyroscope_backend_says_once_that_its_server_is_unreachable(tmp_path
     assert "done" in proc.stdout
     assert proc.stderr.count("is unreachable") == 1, proc.stderr
     assert address in proc.stderr
+
+
+def test_stop_cuts_an_upload_in_flight_to_the_flush_budget() -> None:
+    """stop() during an upload to a server that never answers returns within flush_timeout."""
+    with faulty_endpoint("hang") as address:
+        pusher = _pusher(address, timeout=30, upload_interval=0.1, flush_timeout=0.5)
+        pusher.start(_Windows())
+        time.sleep(0.4)  # the first upload is waiting for its answer now
+        started = time.monotonic()
+        thread = pusher._thread
+        pusher.stop()
+        took = time.monotonic() - started
+    assert thread is not None
+    assert not thread.is_alive()
+    # The upload in flight and the flush share the 0.5 s budget (plus one 0.25 s wait slice).
+    assert took < 1.2, took
+    assert pusher.stats()["dropped"] >= 1

@@ -131,6 +131,7 @@ class Pusher:
             self._headers["X-Scope-OrgID"] = tenant_id
         self._queue: collections.deque[_Payload] = collections.deque()
         self._retry_at = 0.0
+        self._stop_deadline = float("inf")
         self._conn: _DeadlineHTTP | _DeadlineHTTPS | None = None
         self._collect: Callable[[], Window] | None = None
         self._stop = threading.Event()
@@ -155,6 +156,7 @@ class Pusher:
         """Start the upload thread; ``collect()`` hands over the samples of each interval."""
         self._collect = collect
         self._stop.clear()
+        self._stop_deadline = float("inf")
         self._thread = threading.Thread(target=self._run, name="spanprof-exact-pusher", daemon=True)
         self._thread.start()
 
@@ -164,6 +166,11 @@ class Pusher:
         if thread is None:
             return
         self._thread = None
+        # The flush, an upload in flight included, has flush_timeout from now.
+        self._stop_deadline = time.monotonic() + self.flush_timeout
+        conn = self._conn
+        if conn is not None:
+            conn.deadline = min(conn.deadline, self._stop_deadline)
         self._stop.set()
         # The flush's uploads time out within flush_timeout too (see _run).
         thread.join(2 * self.flush_timeout + 1.0)
@@ -216,7 +223,7 @@ class Pusher:
             self.timeout = min(self.timeout, self.flush_timeout)
             self._close()
             self._export()
-            self._send_pending(deadline=time.monotonic() + self.flush_timeout)
+            self._send_pending(deadline=self._stop_deadline)
         except Exception:
             self._unexpected()
         if self._queue:
@@ -341,7 +348,7 @@ class Pusher:
 
     def _post(self, body: bytes) -> tuple[_Outcome, str]:
         # One deadline for the whole upload, the stale-connection retry included.
-        deadline = time.monotonic() + self.timeout
+        deadline = min(time.monotonic() + self.timeout, self._stop_deadline)
         reused = self._conn is not None
         for attempt in (1, 2):
             try:
@@ -367,7 +374,7 @@ class Pusher:
 
     def _post_once(self, body: bytes, deadline: float) -> tuple[_Outcome, str]:
         conn = self._connection()
-        conn.deadline = deadline
+        conn.deadline = min(deadline, self._stop_deadline)
         if conn.sock is None:
             conn.timeout = max(0.001, deadline - time.monotonic())
         conn.request("POST", self._path, body=body, headers=self._headers)
@@ -403,27 +410,41 @@ class Pusher:
 # upload's deadline (sendall's timeout covers the whole send; each read gets the remainder).
 
 
+# Socket waits are cut in slices this long, so that a deadline moved closer (by stop()) is seen.
+_SLICE = 0.25
+
+
+def _remaining(conn: _DeadlineHTTP | _DeadlineHTTPS, doing: str) -> float:
+    remaining = conn.deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError(f"the upload's deadline passed while {doing}")
+    return min(remaining, _SLICE)
+
+
 class _DeadlineReader(io.RawIOBase):
     """A socket's reading side whose every read must finish before ``conn.deadline``."""
 
     def __init__(self, sock: socket.socket, conn: _DeadlineHTTP | _DeadlineHTTPS) -> None:
         super().__init__()
         self._sock = sock
-        self._raw = sock.makefile("rb", buffering=0)
+        # Held, never read through: it keeps the socket open (socket.close() waits for its
+        # makefile()s) while the response still reads, as http.client expects.
+        self._ref = sock.makefile("rb", buffering=0)
         self._conn = conn
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int | None:
-        remaining = self._conn.deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the upload's deadline passed while reading the answer")
-        self._sock.settimeout(remaining)
-        return self._raw.readinto(buffer)
+        while True:
+            self._sock.settimeout(_remaining(self._conn, "reading the answer"))
+            try:
+                return self._sock.recv_into(buffer)
+            except TimeoutError:
+                continue  # one slice passed: check the deadline again
 
     def close(self) -> None:
-        self._raw.close()
+        self._ref.close()
         super().close()
 
 
@@ -434,15 +455,15 @@ class _DeadlineSocket:
         self._sock = sock
         self._conn = conn
 
-    def _remaining(self) -> float:
-        remaining = self._conn.deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the upload's deadline passed while sending")
-        return remaining
-
     def sendall(self, data: Any) -> None:
-        self._sock.settimeout(self._remaining())
-        self._sock.sendall(data)
+        view = memoryview(data).cast("B")
+        while view:
+            self._sock.settimeout(_remaining(self._conn, "sending"))
+            try:
+                sent = self._sock.send(view)
+            except TimeoutError:
+                continue  # one slice passed: check the deadline again
+            view = view[sent:]
 
     def makefile(self, mode: str, *args: Any, **kwargs: Any) -> io.BufferedReader:
         return io.BufferedReader(_DeadlineReader(self._sock, self._conn))
