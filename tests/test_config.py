@@ -115,6 +115,16 @@ def test_a_tenant_id_no_header_can_carry_is_refused_at_configuration(value: str)
         PyroscopeBackend(server_address="http://p:4040", application_name="a", tenant_id=value)
 
 
+def test_agent_http_headers_are_checked_like_the_tenant() -> None:
+    """pyroscope-io's http_headers (extra_options) with a line break raise ValueError now."""
+    with pytest.raises(ValueError, match="X-Token"):
+        PyroscopeBackend(
+            server_address="http://p:4040",
+            application_name="a",
+            extra_options={"http_headers": {"X-Token": "abc\n"}},
+        )
+
+
 def test_a_password_with_a_newline_is_refused_without_showing_it() -> None:
     """A secret read with its trailing newline fails at configuration; the message hides it."""
     env = {"PYROSCOPE_SERVER_ADDRESS": "http://p:4040", "PYROSCOPE_BASIC_AUTH_PASSWORD": "s3cr3t\n"}

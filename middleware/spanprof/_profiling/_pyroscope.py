@@ -8,6 +8,7 @@ from typing import Any
 
 import pyroscope
 
+from .._config import parse_header_value
 from .._labels._labelset import LabelSet
 from .._logging import log_once, logger
 from ._exporters._reachability import ReachabilityWatch
@@ -68,6 +69,10 @@ class PyroscopeBackend(WithPyroscopeSettings):
             tags=tags or {},
         )
         self.extra_options = dict(extra_options or {})
+        headers = self.extra_options.get("http_headers") or {}
+        for name, value in dict(headers).items():
+            # The agent would fail on these later, in its own thread, saying nothing.
+            parse_header_value(f"extra_options['http_headers'][{name!r}]", str(value))
         self._lock = threading.Lock()
         self._running = False
         self._watch: ReachabilityWatch | None = None
