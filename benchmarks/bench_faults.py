@@ -1,10 +1,12 @@
-"""Request latency while the profiler's endpoint is down, hanging or failing.
+"""Request latency while the profiler's endpoint is down, hanging, failing or trickling.
 
-A real uvicorn serving ``tests/e2e/asgi_app.py`` under spanprof with the real pyroscope-io agent
-(1 s uploads) pointed at: a healthy receiver (the baseline), a closed port, an endpoint that
-accepts and never answers, and one that answers 500. A sequential client measures each request's
-latency; the server runs a few upload intervals first, so the agent has failed before the
-measured requests. The claim is "unchanged latency within noise": the ratio to the healthy run.
+A real uvicorn serving ``tests/e2e/asgi_app.py`` under spanprof, once with the real pyroscope-io
+agent and once with spanprof's exact profiler (its own uploader), both with 1 s uploads, pointed
+at: a healthy receiver (the baseline), a closed port, an endpoint that accepts and never answers,
+one that answers 500, one that trickles its answer (a byte every 5 s) and one that answers 401.
+A sequential client measures each request's latency; the server runs a few upload intervals
+first, so the uploader has failed before the measured requests. The claim is "unchanged latency
+within noise": the ratio to the same profiler's healthy run.
 """
 
 from __future__ import annotations
@@ -37,9 +39,14 @@ def _endpoint(mode: str) -> Iterator[str]:
         yield address
 
 
-def _latencies(mode: str, count: int, workdir: Path) -> list[float]:
+#: The profilers measured: ``SPANPROF_PROFILER`` values.
+PROFILERS = ("pyroscope", "exact")
+
+
+def _latencies(profiler: str, mode: str, count: int, workdir: Path) -> list[float]:
     port = free_port()
     env = {
+        "SPANPROF_PROFILER": profiler,
         "PYROSCOPE_UPLOAD_INTERVAL": "1",
         "E2E_STEP_SECONDS": "0.001",
         "E2E_HANDLER_STEPS": "2",
@@ -52,7 +59,7 @@ def _latencies(mode: str, count: int, workdir: Path) -> list[float]:
             uvicorn_argv("tests.e2e.asgi_app:app", port, "asyncio"),
             health_url=f"http://127.0.0.1:{port}/health",
             env={**env, "PYROSCOPE_SERVER_ADDRESS": address},
-            log_path=workdir / f"uvicorn-{mode}.log",
+            log_path=workdir / f"uvicorn-{profiler}-{mode}.log",
         ),
     ):
         time.sleep(2.5)  # let the agent try (and fail) a couple of uploads first
@@ -69,24 +76,39 @@ def _latencies(mode: str, count: int, workdir: Path) -> list[float]:
 
 
 def run(quick: bool) -> Section:
-    """Latency per endpoint state, and its ratio to the healthy run."""
+    """Latency per profiler and endpoint state, and its ratio to that profiler's healthy run."""
     count = 150 if quick else 600
     section = Section("faults", "Request latency while the profile endpoint fails")
-    with tempfile.TemporaryDirectory() as tmp:
-        results = {mode: _latencies(mode, count, Path(tmp)) for mode in ("healthy", *FAULT_MODES)}
-    base = statistics.median(results["healthy"])
-    rows = []
-    for mode, values in results.items():
-        spread = Spread.of(values)
-        p90 = statistics.quantiles(values, n=10)[-1]
-        rows.append([mode, spread.format(2), f"{p90:.2f}", f"{spread.median / base:.3f}"])
-    section.body += [
+    section.body.append(
         f"{count} sequential requests per endpoint state after a 50-request warm-up; each "
         "request burns about 4 ms of CPU in the handler, a child task and the thread pool. "
         "States run one after another (each needs its own server), so the ratios carry the "
-        "machine's drift between runs.",
-        markdown_table(
-            ["endpoint", "latency ms: median (IQR; min..max)", "p90 ms", "median x healthy"], rows
-        ),
-    ]
+        "machine's drift between runs. `trickle` answers one byte every 5 s (the exact "
+        "uploader gives each upload a 10 s deadline); `401` refuses the credentials."
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for profiler in PROFILERS:
+            results = {
+                mode: _latencies(profiler, mode, count, Path(tmp))
+                for mode in ("healthy", *FAULT_MODES)
+            }
+            base = statistics.median(results["healthy"])
+            rows = []
+            for mode, values in results.items():
+                spread = Spread.of(values)
+                p90 = statistics.quantiles(values, n=10)[-1]
+                rows.append([mode, spread.format(2), f"{p90:.2f}", f"{spread.median / base:.3f}"])
+            name = "pyroscope-io agent" if profiler == "pyroscope" else "exact profiler"
+            section.body += [
+                f"**{name}** (`SPANPROF_PROFILER={profiler}`):",
+                markdown_table(
+                    [
+                        "endpoint",
+                        "latency ms: median (IQR; min..max)",
+                        "p90 ms",
+                        "median x healthy",
+                    ],
+                    rows,
+                ),
+            ]
     return section

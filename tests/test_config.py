@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from spanprof import ProfilingMiddleware, PyroscopeBackend
+from spanprof import ExactBackend, ProfilingMiddleware, PyroscopeBackend
+from spanprof._profiling._settings import PyroscopeSettings
 from spanprof._types import Receive, Scope, Send
 
 from .conftest import AGENT_ENV
@@ -127,3 +130,85 @@ def test_startup_says_which_profiler_runs(caplog: pytest.LogCaptureFixture) -> N
         assert "unset SPANPROF_PROFILER" in lines[0]
     finally:
         runtime.stop()
+
+
+# --- issue #13: values that would fail later, in the upload thread, fail here -----------------
+
+
+@pytest.mark.parametrize("value", ["team-a\n", "team\r\nX-Evil: 1", "a\x00b", "t\u20ac"])
+def test_a_tenant_id_no_header_can_carry_is_refused_at_configuration(value: str) -> None:
+    """PYROSCOPE_TENANT_ID / tenant_id that http.client would refuse raise ValueError now."""
+    with pytest.raises(ValueError, match="PYROSCOPE_TENANT_ID"):
+        ExactBackend.from_env(
+            {"PYROSCOPE_SERVER_ADDRESS": "http://p:4040", "PYROSCOPE_TENANT_ID": value}
+        )
+    with pytest.raises(ValueError, match="tenant_id"):
+        PyroscopeBackend(server_address="http://p:4040", application_name="a", tenant_id=value)
+
+
+def test_agent_http_headers_are_checked_like_the_tenant() -> None:
+    """pyroscope-io's http_headers (extra_options) with a line break raise ValueError now."""
+    with pytest.raises(ValueError, match="X-Token"):
+        PyroscopeBackend(
+            server_address="http://p:4040",
+            application_name="a",
+            extra_options={"http_headers": {"X-Token": "abc\n"}},
+        )
+
+
+def test_a_password_with_a_newline_is_refused_without_showing_it() -> None:
+    """A secret read with its trailing newline fails at configuration; the message hides it."""
+    env = {"PYROSCOPE_SERVER_ADDRESS": "http://p:4040", "PYROSCOPE_BASIC_AUTH_PASSWORD": "s3cr3t\n"}
+    with pytest.raises(ValueError, match="PYROSCOPE_BASIC_AUTH_PASSWORD") as info:
+        ExactBackend.from_env(env)
+    assert "s3cr3t" not in str(info.value)
+
+
+@pytest.mark.parametrize("address", ["http://p:99999", "http://p:0", "http://p:x", "http://:4040"])
+def test_a_bad_port_or_host_is_refused_at_configuration(address: str) -> None:
+    """An address the uploader could not connect to raises ValueError naming the setting."""
+    with pytest.raises(ValueError, match="PYROSCOPE_SERVER_ADDRESS"):
+        ExactBackend.from_env({"PYROSCOPE_SERVER_ADDRESS": address})
+    with pytest.raises(ValueError, match="server_address"):
+        ExactBackend(server_address=address, application_name="a")
+
+
+def test_explicit_basic_auth_wins_over_the_addresss_credentials() -> None:
+    """basic_auth_username / _password, when set, replace user:pass@ of the address."""
+    settings = PyroscopeSettings.from_env(
+        {
+            "PYROSCOPE_SERVER_ADDRESS": "https://alice:old@p:4040/",
+            "PYROSCOPE_BASIC_AUTH_USER": "bob",
+            "PYROSCOPE_BASIC_AUTH_PASSWORD": "new",
+        }
+    )
+    assert settings is not None
+    assert settings.server_address == "https://p:4040"
+    assert (settings.basic_auth_username, settings.basic_auth_password) == ("bob", "new")
+
+
+def test_an_address_error_never_shows_the_password() -> None:
+    """A bad address with credentials is reported with the password redacted."""
+    with pytest.raises(ValueError, match="PYROSCOPE_SERVER_ADDRESS") as info:
+        ExactBackend.from_env({"PYROSCOPE_SERVER_ADDRESS": "http://alice:hunter2@p:99999"})
+    assert "hunter2" not in str(info.value)
+    assert "alice:***@" in str(info.value)
+
+
+def test_reprs_never_show_the_password() -> None:
+    """repr() of the settings and of both backends shows '***' for the password."""
+    arguments: dict[str, Any] = {
+        "server_address": "http://p:4040",
+        "application_name": "a",
+        "basic_auth_username": "u",
+        "basic_auth_password": "hunter2",
+    }
+    for thing in (
+        PyroscopeSettings(**arguments),
+        ExactBackend(**arguments),
+        PyroscopeBackend(**arguments, extra_options={"http_headers": {"X-Token": "hunter3"}}),
+    ):
+        text = repr(thing)
+        assert "hunter" not in text, text
+        assert "basic_auth_password='***'" in text, text
+        assert "server_address='http://p:4040'" in text, text

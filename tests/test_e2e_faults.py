@@ -26,13 +26,17 @@ async def _fire(base: str, count: int) -> list[int]:
         return list(await asyncio.gather(*(one(i) for i in range(count))))
 
 
+@pytest.mark.parametrize("profiler", ["pyroscope", "exact"])
 @pytest.mark.parametrize("mode", FAULT_MODES)
-def test_requests_succeed_whatever_the_profiler_endpoint_does(mode: str, tmp_path: Path) -> None:
+def test_requests_succeed_whatever_the_profiler_endpoint_does(
+    mode: str, profiler: str, tmp_path: Path
+) -> None:
     """Every request succeeds and the server still shuts down promptly."""
     port = free_port()
     log = tmp_path / "uvicorn.log"
     with faulty_endpoint(mode) as address:
         env = {
+            "SPANPROF_PROFILER": profiler,
             "PYROSCOPE_SERVER_ADDRESS": address,
             "PYROSCOPE_UPLOAD_INTERVAL": "1",
             "E2E_STEP_SECONDS": "0.002",
@@ -52,5 +56,13 @@ def test_requests_succeed_whatever_the_profiler_endpoint_does(mode: str, tmp_pat
     assert statuses == [200] * 64
     text = log.read_text()
     assert "Traceback" not in text, text[-2000:]
+    # Both profilers say that the profiles are not getting through (spanprof says it for the
+    # agent, which does not): once, whatever the number of uploads. The agent's check is a TCP
+    # connect, so it sees only the endpoint that is down.
+    if profiler == "exact" or mode == "down":
+        assert text.count("spanprof: ") >= 1, text[-2000:]
+    if mode == "down":
+        said = [line for line in text.splitlines() if "ConnectionRefusedError" in line]
+        assert len(said) == 1, text[-2000:]
     # The agent's final flush must not hold shutdown hostage to a hanging endpoint.
     assert stopped_after < 20, f"shutdown took {stopped_after:.1f} s"

@@ -795,11 +795,40 @@ cproxy_set_quiet(PyObject *Py_UNUSED(module), PyObject *marker)
     Py_RETURN_NONE;
 }
 
+/* sys._current_frames() with the collector off for that call only (gh-106883: before 3.12 a
+   collection started inside it can deadlock on the runtime's thread list lock). No bytecode
+   runs between turning the collector off and back on, so no other thread can see or change
+   its state meanwhile: a gc.disable() elsewhere is never undone. Used by the exact sampler. */
+static PyObject *
+cproxy_current_frames_gc_off(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
+{
+    PyObject *current_frames = PySys_GetObject("_current_frames"); /* borrowed */
+    PyObject *frames;
+    int was_enabled;
+
+    if (current_frames == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "sys._current_frames is missing");
+        return NULL;
+    }
+    Py_INCREF(current_frames);
+    was_enabled = PyGC_Disable();
+    frames = PyObject_CallNoArgs(current_frames);
+    if (was_enabled) {
+        PyGC_Enable();
+    }
+    Py_DECREF(current_frames);
+    return frames;
+}
+
 static PyMethodDef cproxy_methods[] = {
     {"set_quiet", cproxy_set_quiet, METH_O,
      "set_quiet(marker)\n--\n\n"
      "A thread whose per-thread state holds `marker` as its labels is never pushed to: the\n"
      "proxy and the hook treat it as already running with whatever labels the context has."},
+    {"current_frames_gc_off", cproxy_current_frames_gc_off, METH_NOARGS,
+     "current_frames_gc_off()\n--\n\n"
+     "sys._current_frames() with the garbage collector off during the call, and back on only\n"
+     "if it was on, with no bytecode run in between (gh-106883)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,6 +3,7 @@
 import asyncio
 from collections.abc import Callable, Coroutine, Generator
 from contextvars import ContextVar
+from types import FrameType
 from typing import Any, final
 
 from ._labelset import LabelSet
@@ -54,3 +55,6 @@ class HandleRunHook:
 
 def set_quiet(marker: LabelSet, /) -> None:
     """A thread whose state holds ``marker`` as its labels is never pushed to."""
+
+def current_frames_gc_off() -> dict[int, FrameType]:
+    """``sys._current_frames()`` with the collector off during the call (gh-106883)."""

@@ -51,8 +51,8 @@ class ExactBackend(WithPyroscopeSettings):
     lifespan startup, so the event loop must run in the main thread: uvicorn, gunicorn workers,
     hypercorn). Otherwise it logs why at start-up and falls back to pyroscope-io with the label
     engine. It uses ``SIGPROF`` (``SIGALRM`` with ``clock="wall"``) and refuses to start, raising
-    ``RuntimeError``, when that signal already has a handler. Threads that run labelled work
-    block that signal, so it interrupts only the main thread.
+    ``RuntimeError``, when that signal already has a handler. The timer signals the main thread
+    only: no other thread is interrupted or has to block the signal.
 
     Arguments:
         server_address: Pyroscope URL, e.g. ``http://pyroscope:4040``.
@@ -181,9 +181,14 @@ class ExactBackend(WithPyroscopeSettings):
                 sampler = Sampler(sample_rate=self.sample_rate, clock=self.clock)
             # Restarted in the same process: keep its interned frames and stacks warm.
             self._idle_sampler, self._idle_pid = sampler, pid
+            # Everything that can fail comes before the timer is armed, and whatever fails after
+            # is undone: a failed start leaves no timer, no handler and no thread behind.
+            pusher = self._new_pusher(sampler)
+            pusher.start(sampler.take_window)
             try:
-                sampler.start()
+                sampler.start()  # armed last
             except SamplerUnavailable as exc:
+                pusher.stop()
                 logger.log(
                     logging.INFO if self.auto else logging.WARNING,
                     "spanprof: profiling with pyroscope-io and the label engine (pid %d): the "
@@ -197,20 +202,11 @@ class ExactBackend(WithPyroscopeSettings):
                 fallback.start()
                 self._fallback = fallback
                 self._sink = fallback.set_thread_labels
+            except BaseException:
+                pusher.stop()
+                sampler.stop()
+                raise
             else:
-                pusher = Pusher(
-                    server_address=self.server_address,
-                    labels=series_labels(self.application_name, self.tags),
-                    period_ns=1_000_000_000 // self.sample_rate,
-                    upload_interval=self.upload_interval,
-                    tenant_id=self.tenant_id,
-                    basic_auth_username=self.basic_auth_username,
-                    basic_auth_password=self.basic_auth_password,
-                    # Within ProfilerRuntime's 5 s shutdown budget, even with the server away.
-                    flush_timeout=2.0,
-                    block_signals=(sampler.signum,),
-                )
-                pusher.start(sampler.take_window)
                 self._sampler, self._pusher = sampler, pusher
                 self._sink = sampler.set_thread_labels
                 self._ident = sampler.ident
@@ -228,8 +224,27 @@ class ExactBackend(WithPyroscopeSettings):
                 atexit.register(self.shutdown)
                 self._atexit_registered = True
 
+    def _new_pusher(self, sampler: Sampler) -> Pusher:
+        return Pusher(
+            server_address=self.server_address,
+            labels=series_labels(self.application_name, self.tags),
+            period_ns=1_000_000_000 // self.sample_rate,
+            upload_interval=self.upload_interval,
+            tenant_id=self.tenant_id,
+            basic_auth_username=self.basic_auth_username,
+            basic_auth_password=self.basic_auth_password,
+            # Within ProfilerRuntime's 5 s shutdown budget, even with the server away.
+            flush_timeout=2.0,
+            block_signals=(sampler.signum,),
+        )
+
     def shutdown(self) -> None:
-        """Stop sampling, upload the last window and stop the uploader."""
+        """Stop sampling, upload the last window and stop the uploader (from any thread).
+
+        Off the main thread (``ProfilerRuntime`` flushes from a helper thread) the timer stops
+        at once and the main thread puts the previous signal handler back the next time it
+        runs Python code (see ``Sampler.stop``).
+        """
         with self._lock:
             if self._pid != os.getpid():
                 return

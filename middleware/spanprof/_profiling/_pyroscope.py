@@ -8,8 +8,10 @@ from typing import Any
 
 import pyroscope
 
+from .._config import parse_header_value
 from .._labels._labelset import LabelSet
 from .._logging import log_once, logger
+from ._exporters._reachability import ReachabilityWatch
 from ._settings import PyroscopeSettings, WithPyroscopeSettings
 
 __all__ = ["PyroscopeBackend"]
@@ -26,6 +28,11 @@ class PyroscopeBackend(WithPyroscopeSettings):
     thread whenever the context running there changes, so every sample carries the labels of
     the request that was running. Start it after any fork (the middleware does, at lifespan
     startup): the agent stops in forked children.
+
+    The agent logs nothing when its uploads fail. So that an unreachable server is said at
+    least once, spanprof checks that it accepts a TCP connection: from a daemon thread at start
+    and every upload interval, and at shutdown (within 1 s); the first failure is logged once
+    (see ``_exporters/_reachability``).
 
     Arguments:
         server_address: Pyroscope URL, e.g. ``http://pyroscope:4040``.
@@ -62,8 +69,13 @@ class PyroscopeBackend(WithPyroscopeSettings):
             tags=tags or {},
         )
         self.extra_options = dict(extra_options or {})
+        headers = self.extra_options.get("http_headers") or {}
+        for name, value in dict(headers).items():
+            # The agent would fail on these later, in its own thread, saying nothing.
+            parse_header_value(f"extra_options['http_headers'][{name!r}]", str(value))
         self._lock = threading.Lock()
         self._running = False
+        self._watch: ReachabilityWatch | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PyroscopeBackend | None:
@@ -92,6 +104,11 @@ class PyroscopeBackend(WithPyroscopeSettings):
                     exc_info=False,
                 )
             self._running = True
+            watch = ReachabilityWatch(
+                self.server_address, interval=self.upload_interval, who="pyroscope-io"
+            )
+            watch.start()
+            self._watch = watch
             logger.debug("pyroscope agent started for %s", self.server_address)
 
     def shutdown(self) -> None:
@@ -100,6 +117,9 @@ class PyroscopeBackend(WithPyroscopeSettings):
             if not self._running:
                 return
             self._running = False
+            watch, self._watch = self._watch, None
+            if watch is not None:
+                watch.stop()  # before the agent's last upload: says if that one is lost
             pyroscope.shutdown()
 
     def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:

@@ -12,7 +12,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TypedDict, cast
 
-from .._config import parse_int, parse_seconds, parse_server_address
+from .._config import (
+    parse_header_value,
+    parse_int,
+    parse_seconds,
+    parse_server_address,
+    redact_url,
+    split_credentials,
+)
 from .._labels._labelset import parse_labels
 
 __all__ = ["PyroscopeSettings", "SettingsArguments", "WithPyroscopeSettings"]
@@ -31,9 +38,15 @@ class SettingsArguments(TypedDict):
     tags: Mapping[str, str]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class PyroscopeSettings:
-    """Where and how a backend uploads; a bad value raises ``ValueError`` naming the argument."""
+    """Where and how a backend uploads; a bad value raises ``ValueError`` naming the argument.
+
+    Credentials in the address (``http://user:pass@host``) become the basic-auth settings, as
+    pyroscope-io would send them, unless ``basic_auth_username`` or ``basic_auth_password`` is
+    set (explicit settings win); either way ``server_address`` keeps no credentials, so it can
+    be logged. ``repr`` never shows the password.
+    """
 
     server_address: str
     application_name: str
@@ -46,16 +59,39 @@ class PyroscopeSettings:
 
     def __post_init__(self) -> None:
         address = parse_server_address("server_address", self.server_address)
+        address, url_user, url_password = split_credentials(address)
+        user, password = self.basic_auth_username, self.basic_auth_password
+        if not (user or password):
+            user, password = url_user, url_password
+        _check_credential("basic_auth_username", user, colon=False)
+        _check_credential("basic_auth_password", password, colon=True)
         if not self.application_name:
             raise ValueError("application_name: must not be empty")
         interval = parse_seconds("upload_interval", str(self.upload_interval))
         rate = parse_int("sample_rate", str(self.sample_rate), minimum=1, maximum=1000)
+        parse_header_value("tenant_id", self.tenant_id)
         tags = parse_labels("tags", self.tags)
         # Frozen, so the normalized values (no trailing slash, sanitized tags) go in this way.
         object.__setattr__(self, "server_address", address)
+        object.__setattr__(self, "basic_auth_username", user)
+        object.__setattr__(self, "basic_auth_password", password)
         object.__setattr__(self, "upload_interval", interval)
         object.__setattr__(self, "sample_rate", rate)
         object.__setattr__(self, "tags", tags)
+
+    def __repr__(self) -> str:
+        return f"PyroscopeSettings({self.describe()})"
+
+    def describe(self) -> str:
+        """The settings as ``name=value, ...``, with the password shown as ``'***'``."""
+        shown: dict[str, object] = {
+            **asdict(self),
+            "server_address": redact_url(self.server_address),
+            "tags": dict(self.tags),
+        }
+        if self.basic_auth_password:
+            shown["basic_auth_password"] = "***"
+        return ", ".join(f"{name}={value!r}" for name, value in shown.items())
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PyroscopeSettings | None:
@@ -88,9 +124,15 @@ class PyroscopeSettings:
                 minimum=1,
                 maximum=1000,
             ),
-            tenant_id=env.get("PYROSCOPE_TENANT_ID", ""),
-            basic_auth_username=env.get("PYROSCOPE_BASIC_AUTH_USER", ""),
-            basic_auth_password=env.get("PYROSCOPE_BASIC_AUTH_PASSWORD", ""),
+            tenant_id=parse_header_value("PYROSCOPE_TENANT_ID", env.get("PYROSCOPE_TENANT_ID", "")),
+            basic_auth_username=_check_credential(
+                "PYROSCOPE_BASIC_AUTH_USER", env.get("PYROSCOPE_BASIC_AUTH_USER", ""), colon=False
+            ),
+            basic_auth_password=_check_credential(
+                "PYROSCOPE_BASIC_AUTH_PASSWORD",
+                env.get("PYROSCOPE_BASIC_AUTH_PASSWORD", ""),
+                colon=True,
+            ),
             tags=parse_labels("PYROSCOPE_LABELS", env.get("PYROSCOPE_LABELS", "")),
         )
 
@@ -99,10 +141,29 @@ class PyroscopeSettings:
         return cast(SettingsArguments, asdict(self))
 
 
+def _check_credential(name: str, value: str, *, colon: bool) -> str:
+    """A basic-auth user (no ``:``, RFC 7617) or password without control characters.
+
+    The message never shows the value: it may be a secret.
+    """
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
+        raise ValueError(
+            f"{name}: contains a control character (a trailing newline from a file?); "
+            "basic auth would fail with it"
+        )
+    if not colon and ":" in value:
+        raise ValueError(f"{name}: a basic-auth user name cannot contain ':'")
+    return value
+
+
 class WithPyroscopeSettings:
     """A backend's settings as read-only attributes (``backend.server_address``, ...)."""
 
     _settings: PyroscopeSettings
+
+    def __repr__(self) -> str:
+        # The settings without the password; extra options (headers...) are not shown at all.
+        return f"{type(self).__name__}({self._settings.describe()})"
 
     @property
     def settings(self) -> PyroscopeSettings:

@@ -11,6 +11,12 @@ releasing the GIL in between, so the application's threads never wait long for t
 each small pprof profile becomes one ``RawSample`` of the push. A failed upload is retried
 with exponential back-off; while the server is away at most ``max_pending`` windows wait,
 and the oldest is dropped (and counted) to make room.
+
+Nothing the server does can hold the thread: each upload (connect, send, answer) has one
+overall deadline, however slowly the server trickles its answer, and at most
+``max_response_bytes`` of an answer are read. No exception ends the thread either: an
+unexpected one is logged once and counted (``stats()['errors']``), and the next interval's
+window is taken as usual, so the sampler's window never grows past one interval.
 """
 
 from __future__ import annotations
@@ -19,15 +25,18 @@ import base64
 import collections
 import gzip
 import http.client
+import io
 import random
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
+from ..._config import parse_header_value, parse_server_address, redact_url, split_credentials
 from ..._logging import log_once
 from ..._version import __version__
 from .._encoders._push import PUSH_CONTENT_TYPE, PUSH_PATH, encode_push_request
@@ -37,7 +46,10 @@ from .._window import Window
 
 __all__ = ["Pusher"]
 
-_Outcome = Literal["ok", "retry", "reject"]
+_Outcome = Literal["ok", "retry", "reject", "error"]
+
+#: Statuses that mean "these credentials (or this tenant) are not accepted".
+_AUTH_STATUSES = (401, 403)
 
 
 @dataclass
@@ -55,8 +67,11 @@ class Pusher:
         period_ns: the sampling period written into the profiles.
         upload_interval: seconds between uploads.
         tenant_id: sent as ``X-Scope-OrgID`` when set.
-        basic_auth_username, basic_auth_password: basic auth, when either is set.
-        timeout: socket timeout of one upload, seconds.
+        basic_auth_username, basic_auth_password: basic auth, when either is set (else the
+            user info of ``server_address``, if any).
+        timeout: deadline of one upload, seconds: connecting, sending and reading the answer.
+        max_response_bytes: at most this much of an answer is read (the rest is discarded
+            with the connection).
         max_pending: windows kept while the server is away; the oldest is dropped beyond that.
         backoff_initial, backoff_max: seconds before the first retry, and the cap of the
             doubling back-off.
@@ -75,24 +90,31 @@ class Pusher:
         basic_auth_username: str = "",
         basic_auth_password: str = "",
         timeout: float = 10.0,
+        max_response_bytes: int = 64 * 1024,
         max_pending: int = 6,
         backoff_initial: float = 1.0,
         backoff_max: float = 30.0,
         flush_timeout: float = 5.0,
         block_signals: Iterable[int] = (),
     ) -> None:
-        parts = urlsplit(server_address)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"server_address: expected an http(s) URL, got {server_address!r}")
-        self.url = server_address.rstrip("/") + PUSH_PATH
+        # The same checks as the settings': nothing here may fail later, in the upload thread.
+        address, url_user, url_password = split_credentials(
+            parse_server_address("server_address", server_address)
+        )
+        if not (basic_auth_username or basic_auth_password):
+            basic_auth_username, basic_auth_password = url_user, url_password
+        parse_header_value("tenant_id", tenant_id)
+        parts = urlsplit(address)
+        self.url = redact_url(address) + PUSH_PATH
         self._https = parts.scheme == "https"
-        self._host = parts.hostname
+        self._host = parts.hostname or ""
         self._port = parts.port
         self._path = parts.path.rstrip("/") + PUSH_PATH
         self.labels = list(labels)
         self.period_ns = period_ns
         self.upload_interval = upload_interval
         self.timeout = timeout
+        self.max_response_bytes = max_response_bytes
         self.max_pending = max_pending
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
@@ -110,7 +132,8 @@ class Pusher:
             self._headers["X-Scope-OrgID"] = tenant_id
         self._queue: collections.deque[_Payload] = collections.deque()
         self._retry_at = 0.0
-        self._conn: http.client.HTTPConnection | None = None
+        self._stop_deadline = float("inf")
+        self._conn: _DeadlineHTTP | _DeadlineHTTPS | None = None
         self._collect: Callable[[], Window] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -119,6 +142,7 @@ class Pusher:
         self.retries = 0
         self.dropped = 0
         self.rejected = 0
+        self.errors = 0
         self.empty_windows = 0
         self.bytes_sent = 0
         self.export_steps = 0
@@ -133,6 +157,7 @@ class Pusher:
         """Start the upload thread; ``collect()`` hands over the samples of each interval."""
         self._collect = collect
         self._stop.clear()
+        self._stop_deadline = float("inf")
         self._thread = threading.Thread(target=self._run, name="spanprof-exact-pusher", daemon=True)
         self._thread.start()
 
@@ -142,6 +167,11 @@ class Pusher:
         if thread is None:
             return
         self._thread = None
+        # The flush, an upload in flight included, has flush_timeout from now.
+        self._stop_deadline = time.monotonic() + self.flush_timeout
+        conn = self._conn
+        if conn is not None:
+            conn.deadline = min(conn.deadline, self._stop_deadline)
         self._stop.set()
         # The flush's uploads time out within flush_timeout too (see _run).
         thread.join(2 * self.flush_timeout + 1.0)
@@ -154,6 +184,7 @@ class Pusher:
             "retries": self.retries,
             "dropped": self.dropped,
             "rejected": self.rejected,
+            "upload_errors": self.errors,
             "pending": len(self._queue),
             "bytes_sent": self.bytes_sent,
             "export_steps": self.export_steps,
@@ -177,22 +208,40 @@ class Pusher:
             if self._stop.wait(max(0.0, wake_at - time.monotonic())):
                 break
             now = time.monotonic()
-            if now >= next_upload:
-                next_upload += self.upload_interval
-                if next_upload <= now:
-                    next_upload = now + self.upload_interval
-                self._export()
-            if self._queue and time.monotonic() >= self._retry_at:
-                self._send_pending(deadline=None)
-        # The last window: no upload may outlast the flush budget.
-        self.timeout = min(self.timeout, self.flush_timeout)
-        self._close()
-        self._export()
-        self._send_pending(deadline=time.monotonic() + self.flush_timeout)
+            try:
+                if now >= next_upload:
+                    next_upload += self.upload_interval
+                    if next_upload <= now:
+                        next_upload = now + self.upload_interval
+                    self._export()
+                if self._queue and time.monotonic() >= self._retry_at:
+                    self._send_pending(deadline=None)
+            except Exception:
+                # Whatever it was, the next interval's window is taken on time: the sampler's
+                # window must not grow because its exporter died.
+                self._unexpected()
+                self._retry_at = time.monotonic() + self.backoff_max
+        try:
+            # The last window: no upload may outlast the flush budget.
+            self.timeout = min(self.timeout, self.flush_timeout)
+            self._close()
+            self._export()
+            self._send_pending(deadline=self._stop_deadline)
+        except Exception:
+            self._unexpected()
         if self._queue:
             self._drop(len(self._queue), "the server did not answer before shutdown")
             self._queue.clear()
         self._close()
+
+    def _unexpected(self) -> None:
+        self.errors += 1
+        self._close()
+        log_once(
+            "exact-push-error",
+            f"spanprof: uploading profiles to {self.url} failed unexpectedly; the uploader goes "
+            "on with the next window (logged once)",
+        )
 
     def _timed(self, work: Callable[[], object]) -> None:
         # One step of export work under the GIL; the sleep(0) after it lets waiting threads in.
@@ -254,9 +303,25 @@ class Pusher:
                 self.uploads += 1
                 self.bytes_sent += len(payload.body)
                 continue
+            if outcome == "error":
+                # Not the network's fault: sending the same bytes again would fail the same way.
+                self._queue.popleft()
+                self._drop(1, f"uploading failed unexpectedly ({detail})")
+                continue
             if outcome == "reject":
                 self._queue.popleft()
                 self.rejected += 1
+                if self.last_status in _AUTH_STATUSES:
+                    log_once(
+                        "exact-push-auth",
+                        f"spanprof: {self.url} refused the profile upload's credentials "
+                        f"({detail}); profiles are dropped until it accepts them. Check "
+                        "PYROSCOPE_BASIC_AUTH_USER / PYROSCOPE_BASIC_AUTH_PASSWORD (or "
+                        "user:password@ in PYROSCOPE_SERVER_ADDRESS) and PYROSCOPE_TENANT_ID "
+                        "(logged once)",
+                        exc_info=False,
+                    )
+                    continue
                 log_once(
                     f"exact-push-rejected-{detail}",
                     f"spanprof: {self.url} rejected a profile upload ({detail}); it was dropped "
@@ -285,28 +350,43 @@ class Pusher:
             time.sleep(min(delay, remaining))
 
     def _post(self, body: bytes) -> tuple[_Outcome, str]:
+        # One deadline for the whole upload, the stale-connection retry included.
+        deadline = min(time.monotonic() + self.timeout, self._stop_deadline)
         reused = self._conn is not None
-        try:
-            return self._post_once(body)
-        except (OSError, http.client.HTTPException) as exc:
-            self._close()
-            if not reused:
-                return "retry", f"{type(exc).__name__}: {exc}"
-        # A kept-alive connection the server had closed fails on first use: once more, fresh.
-        try:
-            return self._post_once(body)
-        except (OSError, http.client.HTTPException) as exc:
-            self._close()
-            return "retry", f"{type(exc).__name__}: {exc}"
+        for attempt in (1, 2):
+            try:
+                return self._post_once(body, deadline)
+            except (OSError, http.client.HTTPException) as exc:
+                self._close()
+                if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
+                    return "retry", f"no answer within {self.timeout:g} s ({exc or 'timeout'})"
+                # A kept-alive connection the server had closed fails on first use: once more,
+                # fresh.
+                if not reused or attempt == 2:
+                    return "retry", f"{type(exc).__name__}: {exc}"
+            except Exception as exc:
+                self._close()
+                self.errors += 1
+                log_once(
+                    "exact-push-error",
+                    f"spanprof: uploading profiles to {self.url} failed unexpectedly; the "
+                    "uploader goes on with the next window (logged once)",
+                )
+                return "error", f"{type(exc).__name__}: {exc}"
+        raise AssertionError("unreachable")  # pragma: no cover
 
-    def _post_once(self, body: bytes) -> tuple[_Outcome, str]:
+    def _post_once(self, body: bytes, deadline: float) -> tuple[_Outcome, str]:
         conn = self._connection()
+        conn.deadline = min(deadline, self._stop_deadline)
+        if conn.sock is None:
+            conn.timeout = max(0.001, deadline - time.monotonic())
         conn.request("POST", self._path, body=body, headers=self._headers)
         response = conn.getresponse()
-        response.read()
+        # The answer is a few bytes; a huge one is not read (the connection goes with it).
+        response.read(self.max_response_bytes)
         status = response.status
         self.last_status = status
-        if response.will_close:
+        if response.will_close or not response.isclosed():
             self._close()
         if 200 <= status < 300:
             return "ok", str(status)
@@ -314,9 +394,9 @@ class Pusher:
             return "retry", f"HTTP {status}"
         return "reject", f"HTTP {status}"
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self) -> _DeadlineHTTP | _DeadlineHTTPS:
         if self._conn is None:
-            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            cls = _DeadlineHTTPS if self._https else _DeadlineHTTP
             self._conn = cls(self._host, self._port, timeout=self.timeout)
         return self._conn
 
@@ -324,3 +404,91 @@ class Pusher:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
+
+
+# --- one deadline per upload ---------------------------------------------------------------------
+#
+# http.client's timeout applies to each socket operation: a server that answers one byte every
+# few seconds never trips it. These connections give every operation only what is left of the
+# upload's deadline (sendall's timeout covers the whole send; each read gets the remainder).
+
+
+# Socket waits are cut in slices this long, so that a deadline moved closer (by stop()) is seen.
+_SLICE = 0.25
+
+
+def _remaining(conn: _DeadlineHTTP | _DeadlineHTTPS, doing: str) -> float:
+    remaining = conn.deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError(f"the upload's deadline passed while {doing}")
+    return min(remaining, _SLICE)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reading side whose every read must finish before ``conn.deadline``."""
+
+    def __init__(self, sock: socket.socket, conn: _DeadlineHTTP | _DeadlineHTTPS) -> None:
+        super().__init__()
+        self._sock = sock
+        # Held, never read through: it keeps the socket open (socket.close() waits for its
+        # makefile()s) while the response still reads, as http.client expects.
+        self._ref = sock.makefile("rb", buffering=0)
+        self._conn = conn
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        while True:
+            self._sock.settimeout(_remaining(self._conn, "reading the answer"))
+            try:
+                return self._sock.recv_into(buffer)
+            except TimeoutError:
+                continue  # one slice passed: check the deadline again
+
+    def close(self) -> None:
+        self._ref.close()
+        super().close()
+
+
+class _DeadlineSocket:
+    """The connection's socket, as http.client sees it: sends and reads within the deadline."""
+
+    def __init__(self, sock: socket.socket, conn: _DeadlineHTTP | _DeadlineHTTPS) -> None:
+        self._sock = sock
+        self._conn = conn
+
+    def sendall(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            self._sock.settimeout(_remaining(self._conn, "sending"))
+            try:
+                sent = self._sock.send(view)
+            except TimeoutError:
+                continue  # one slice passed: check the deadline again
+            view = view[sent:]
+
+    def makefile(self, mode: str, *args: Any, **kwargs: Any) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self._sock, self._conn))
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _DeadlineHTTP(http.client.HTTPConnection):
+    deadline = float("inf")
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock = cast(socket.socket, _DeadlineSocket(self.sock, self))
+
+
+class _DeadlineHTTPS(http.client.HTTPSConnection):
+    deadline = float("inf")
+
+    def connect(self) -> None:
+        super().connect()  # the TLS handshake runs under the connect timeout (the remainder)
+        self.sock = cast(socket.socket, _DeadlineSocket(self.sock, self))

@@ -2,9 +2,8 @@
 
 pyroscope-io reads stacks first and thread tags ~0.2 ms later, so on an event loop that switches
 requests every few hundred microseconds its samples carry whoever ran *after* the stack was read.
-Here a ``SIGPROF`` interval timer (``ITIMER_PROF``, counting the process's CPU time) runs a Python
-handler in the main thread, between two bytecodes of whatever the main thread was running, and
-that handler reads:
+Here a ``SIGPROF`` timer counting the process's CPU time runs a Python handler in the main thread,
+between two bytecodes of whatever the main thread was running, and that handler reads:
 
 - the main thread's stack (the interrupted frame) and the labels of the context it runs in
   (``LABELS.get()`` inside the handler *is* the running task's, or callback's, labels: the handler
@@ -31,8 +30,18 @@ since the last tick is booked under the labels it ran with, on the stack it was 
 else on the job's entry (the pool's frames plus the job's function). One job's CPU never lands
 on the next job's labels, and every labelled job's CPU is counted.
 
-With ``clock="wall"`` an ``ITIMER_REAL`` timer (``SIGALRM``) samples every thread, blocked or not,
-weighted by wall time.
+With ``clock="wall"`` a ``CLOCK_MONOTONIC`` timer (``SIGALRM``) samples every thread, blocked or
+not, weighted by wall time.
+
+The timer is a POSIX timer directed at the main thread (``_timer``), not ``setitimer``'s
+process-directed signal: a busy thread never takes the tick for itself while the main thread
+sleeps through it, and no thread blocks the signal (or passes a blocked mask to subprocesses).
+``stop()`` may run in any thread; off the main thread, the previous handler is put back by the
+main thread itself, the next time it runs Python code (a signal wakes it for that).
+
+The handler leaves the garbage collector alone: on CPython >= 3.12 a collection only ever starts
+between bytecodes, never inside ``sys._current_frames()``; before 3.12 it is kept off for that
+one call only, atomically where the C extension is built (see ``_current_frames``).
 
 Every table the handler writes is interned as it goes (frame ids, stack ids, one counter per
 ``(stack, labels)``), so the exporter only swaps a window out and encodes it in small steps.
@@ -42,6 +51,7 @@ from __future__ import annotations
 
 import _thread
 import collections
+import contextlib
 import functools
 import gc
 import os
@@ -57,6 +67,15 @@ from typing import Any
 from ..._labels._engine import run_labelled
 from ..._labels._labelset import EMPTY, LABELS, LabelSet
 from .._window import StackTables, Window
+from ._timer import CLOCK_MONOTONIC, CLOCK_PROCESS_CPUTIME_ID, ThreadTimer
+
+_c_current_frames_gc_off: Callable[[], dict[int, FrameType]] | None
+try:
+    from ..._labels import _cproxy
+except ImportError:  # built without a compiler
+    _c_current_frames_gc_off = None
+else:
+    _c_current_frames_gc_off = _cproxy.current_frames_gc_off
 
 __all__ = [
     "CLOCKS",
@@ -100,6 +119,34 @@ class SignalInUse(RuntimeError):
 
 class SamplerUnavailable(RuntimeError):
     """This process cannot be sampled exactly (wrong thread, platform or build)."""
+
+
+def _current_frames_gc_off() -> dict[int, FrameType]:
+    """``sys._current_frames()`` with the collector off for that call (CPython < 3.12).
+
+    gh-106883: a collection started while ``sys._current_frames()`` holds the runtime's thread
+    list lock can free a ``threading.local`` whose cleanup takes that lock again: a deadlock.
+    The C version turns the collector off and back on without running any bytecode in between,
+    so no other thread can see (or change) the collector's state meanwhile; this fallback has
+    that window for two calls.
+    """
+    enabled = gc.isenabled()
+    if enabled:
+        gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
+
+
+if sys.version_info >= (3, 12):
+    # Collections start only at the eval breaker, never inside the call: nothing to do.
+    _current_frames: Callable[[], dict[int, FrameType]] = sys._current_frames
+elif _c_current_frames_gc_off is not None:
+    _current_frames = _c_current_frames_gc_off
+else:
+    _current_frames = _current_frames_gc_off
 
 
 def signal_for(clock: str) -> tuple[int, int]:
@@ -284,9 +331,13 @@ class Sampler:
         self.sample_rate = sample_rate
         self.interval = 1.0 / sample_rate
         self._wall = clock == "wall"
+        self._clock_id = CLOCK_MONOTONIC if self._wall else CLOCK_PROCESS_CPUTIME_ID
+        self._directed: ThreadTimer | None = None
         self._running = False
         self._busy = False
         self._previous_handler: Any = signal.SIG_DFL
+        # Stopped off the main thread: the main thread's next handler run restores the handler.
+        self._restore_pending = False
         self._main_ident = 0
         self._ident: Callable[[], int] = _thread.get_ident
         self._main_last = 0
@@ -307,6 +358,10 @@ class Sampler:
         # Linux checks CPU timers on scheduler ticks (4 ms at HZ=250): an interval that short is
         # already quantised to whole ticks, and jittering it would only lower the rate.
         self._jitter = clock == "wall" or self.interval >= 0.008
+        self._interval_ns = round(self.interval * 1e9)
+        self._min_arm_ns = self._interval_ns // 5
+        # When the armed timer is due, on its clock (see _on_signal).
+        self._due_at = 0
         self._entries: dict[int, tuple[_RawStack, int, StackTables]] = {}
         # Wall and CPU time of the last handler runs: how long the main thread was held up.
         self._stalls = [0] * _STALL_RING
@@ -381,18 +436,54 @@ class Sampler:
         if driver is not None and not _is_python_loop_running():
             self._main_idle[id(driver)] = driver
         self._main_last = self._now_main()
-        self._previous_handler = signal.SIG_DFL if _is_sampler_handler(current) else current
-        signal.signal(self.signum, self._on_signal)
-        self._running = True
-        # Re-armed with a random interval after each tick; the period is a fallback.
-        signal.setitimer(self.timer, self.interval, self.interval)
+        owner = _sampler_of(current)
+        if owner is not None:
+            # A sampler's handler is still installed (stopped off the main thread, or before a
+            # fork): what it would have put back is what this one puts back.
+            self._previous_handler = owner._previous_handler
+            owner._restore_pending = False
+        else:
+            self._previous_handler = current
+        try:
+            directed = ThreadTimer(self._clock_id, self.signum, threading.get_native_id())
+        except OSError as exc:
+            raise SamplerUnavailable(
+                f"it needs a timer that signals the main thread (timer_create): {exc}"
+            ) from exc
+        self._restore_pending = False
+        try:
+            signal.signal(self.signum, self._on_signal)
+            self._directed = directed
+            self._running = True
+            # Armed last. Re-armed with a random interval after each tick; the period is a
+            # fallback.
+            self._due_at = time.clock_gettime_ns(self._clock_id) + self._interval_ns
+            if not directed.arm(self.interval, self.interval):
+                raise SamplerUnavailable("timer_settime refused to arm the sampler's timer")
+        except BaseException:
+            # Nothing stays behind: no timer, and the handler that was there before.
+            self._running = False
+            self._directed = None
+            directed.delete()
+            if signal.getsignal(self.signum) == self._on_signal:
+                signal.signal(self.signum, signal.SIG_IGN)
+                signal.signal(self.signum, self._previous_handler)
+            raise
 
     def stop(self) -> None:
-        """Disarm the timer and restore the previous handler (when called in the main thread)."""
+        """Disarm the timer and restore the previous handler.
+
+        In the main thread the handler is restored at once. In another thread (a shutdown
+        thread, an atexit hook run elsewhere) ``signal.signal`` is not allowed: the timer is
+        deleted at once, and the main thread restores the handler itself when it next runs
+        Python code, woken by one more signal sent to it alone.
+        """
         if not self._running:
             return
         self._running = False
-        signal.setitimer(self.timer, 0.0, 0.0)
+        directed, self._directed = self._directed, None
+        if directed is not None:
+            directed.delete()
         # Label changes since the last tick still belong in the last window.
         self._busy = True
         try:
@@ -400,10 +491,27 @@ class Sampler:
         finally:
             self._busy = False
         if in_main_os_thread():
-            # SIG_IGN first discards a signal generated before the timer was disarmed, which the
-            # default action (terminate) would otherwise turn into a crash.
-            signal.signal(self.signum, signal.SIG_IGN)
-            signal.signal(self.signum, self._previous_handler)
+            self._restore_handler()
+            return
+        self._restore_pending = True
+        # OSError/ValueError: the main thread is gone, and nobody will run handlers any more.
+        with contextlib.suppress(OSError, ValueError):
+            signal.pthread_kill(self._main_ident, self.signum)
+
+    @property
+    def restore_pending(self) -> bool:
+        """Whether the main thread has yet to put the previous handler back (see ``stop``)."""
+        return self._restore_pending
+
+    def _restore_handler(self) -> None:
+        # Main thread only. The timer is gone, so no tick can follow; SIG_IGN first discards a
+        # signal generated before it went, which the default action (terminate) would turn
+        # into a crash.
+        self._restore_pending = False
+        if signal.getsignal(self.signum) != self._on_signal:
+            return  # someone installed another handler meanwhile: theirs stays
+        signal.signal(self.signum, signal.SIG_IGN)
+        signal.signal(self.signum, self._previous_handler)
 
     # --- the label engine's hook (any thread) ---------------------------------------------------
 
@@ -432,12 +540,7 @@ class Sampler:
         versions[ident] = version + 2
 
     def _prepare_thread(self, local: _PerThread) -> None:
-        # The timer's signal goes to any thread that does not block it; blocked here, it goes
-        # to the main thread, waking an idle event loop (EINTR) to take the sample at once
-        # instead of whenever the loop next wakes, and sparing this thread's system calls.
-        # (Never in the main thread itself: a gevent "thread" is a greenlet of it.)
-        if not in_main_os_thread():
-            signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})
+        # No signal mask to set: the timer signals the main thread only (see _timer).
         local.clock = thread_cpu_clock(threading.get_native_id())
         local.ready = True
 
@@ -487,6 +590,9 @@ class Sampler:
         return time.perf_counter_ns() if self._wall else time.thread_time_ns()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._restore_pending and not self._running:
+            self._restore_handler()
+            return
         if self._busy or not self._running:
             # A tick that arrives while the previous one runs (handlers can nest) is skipped.
             if self._running:
@@ -495,28 +601,32 @@ class Sampler:
         self._busy = True
         started = time.perf_counter_ns()
         cpu_started = time.thread_time_ns()
-        # A collection triggered by the tick's few allocations would be the application's
-        # (its next allocation starts it anyway) but would stall it here, mid-bytecode; and
-        # sys._current_frames() must not run one (see _sample_threads).
-        collecting = gc.isenabled()
-        if collecting:
-            gc.disable()
+        # The collector is left alone (it is the application's; see the module docstring):
+        # only sys._current_frames() needs it off, on CPython < 3.12 (see _current_frames).
         try:
             self._tick(frame, cpu_started)
         except Exception as exc:  # never raise into the interrupted application code
             self.errors += 1
             self.last_error = exc
         finally:
-            if collecting:
-                gc.enable()
             cpu_ended = time.thread_time_ns()
             if not self._wall:
                 # The handler's own CPU is nobody's sample.
                 self._main_last = cpu_ended
-            if self._jitter and self._running:
+            directed = self._directed
+            if self._jitter and self._running and directed is not None:
                 # A fixed period can lock onto a periodic workload (a round robin of equal
                 # steps) and keep sampling the same few phases of it: draw each next interval.
-                signal.setitimer(self.timer, self.interval * self._random.uniform(0.5, 1.5))
+                # Less the time this tick waited for its handler (the main thread waits for the
+                # GIL when a busy thread holds it), so that waiting does not lower the rate.
+                now = time.clock_gettime_ns(self._clock_id)
+                late = max(0, now - self._due_at)
+                value = max(
+                    self._min_arm_ns,
+                    round(self._interval_ns * self._random.uniform(0.5, 1.5)) - late,
+                )
+                self._due_at = now + value
+                directed.arm(value / 1e9, self.interval)
             self._busy = False
             stall = time.perf_counter_ns() - started
             slot = self._stall_count % _STALL_RING
@@ -577,17 +687,13 @@ class Sampler:
         """Sample every other thread; return the CPU they used since the last tick."""
         tables = window.tables
         wall = self._wall
-        # CPython < 3.11.9 / 3.12.3 (gh-106883): a collection started while
-        # sys._current_frames() holds the runtime's thread-list lock can free a threading.local,
-        # whose cleanup takes that lock again: a self-deadlock. The caller keeps the collector
-        # off for the whole tick.
         # The handler can lose the GIL halfway through (another thread's forced switch), and a
         # worker may then finish its job and drop its labels before we read them: its frames,
         # read before, would get the wrong labels. A thread whose label version moved between
         # this copy and the read of its labels is left for the next tick.
         versions = self._versions
         versions_before = versions.copy()
-        frames = sys._current_frames()
+        frames = _current_frames()  # gh-106883 before 3.12: see _current_frames
         states = self._states
         main_ident = self._main_ident
         labels_of = self._labels
@@ -822,6 +928,11 @@ def _active_thread(ident: int) -> threading.Thread | None:
 
 def _is_sampler_handler(handler: object) -> bool:
     return isinstance(getattr(handler, "__self__", None), Sampler)
+
+
+def _sampler_of(handler: object) -> Sampler | None:
+    owner = getattr(handler, "__self__", None)
+    return owner if isinstance(owner, Sampler) else None
 
 
 def _is_python_loop_running() -> bool:
