@@ -71,9 +71,7 @@ SETUPS = {
     "gevent-preload-defaults": Setup(
         "gunicorn", FLASK, ("-k", "gevent", "--worker-connections", "8", "--preload"),
         env={"E2E_GREENLETS": "1", **FAST_STEPS}, exact=True),
-    # background=False until the sampler takes ticks that land in an unlabelled busy thread.
-    "sync-defaults": Setup("gunicorn", FLASK, ("-k", "sync",), env=FAST_STEPS, exact=True,
-                           background=False),
+    "sync-defaults": Setup("gunicorn", FLASK, ("-k", "sync",), env=FAST_STEPS, exact=True),
 }  # fmt: skip
 
 
