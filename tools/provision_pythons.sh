@@ -112,7 +112,9 @@ provision() {
   mkdir -p "$(dirname "$CHROOT")"
   remove_tree "$new"
   echo "provision_pythons: debootstrap $SUITE into $new" >&2
-  debootstrap --variant=minbase "$SUITE" "$new" "$MIRROR" >"$new.log" 2>&1 \
+  # In a private mount namespace too: the /proc and /sys debootstrap mounts die with it.
+  unshare --mount --propagation private -- \
+    debootstrap --variant=minbase "$SUITE" "$new" "$MIRROR" >"$new.log" 2>&1 \
     || { tail -20 "$new.log" >&2; die "debootstrap failed (log: $new.log)"; }
   # unstable's Release file can outlive its Valid-Until on a mirror that lags; the packages are
   # still signed. No docs, man pages or translations: less to unpack.
