@@ -16,15 +16,15 @@ WITHOUT_PYROSCOPE = "import sys; sys.modules['pyroscope'] = None\n"
 def test_spanprof_imports_without_pyroscope_io() -> None:
     """The package, its middleware and the exact backend import without the agent installed."""
     code = WITHOUT_PYROSCOPE + (
-        "import spanprof, spanprof._exact\n"
+        "import spanprof\n"
         "assert 'pyroscope' not in {m for m, v in sys.modules.items() if v is not None}\n"
-        "print(spanprof.ProfilingMiddleware.__name__)\n"
+        "print(spanprof.ProfilingMiddleware.__name__, spanprof.ExactBackend.__name__)\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "ProfilingMiddleware"
+    assert proc.stdout.split() == ["ProfilingMiddleware", "ExactBackend"]
 
 
 def test_pyroscope_backend_without_pyroscope_io_says_what_to_install(
