@@ -176,12 +176,14 @@ def install(interp: Interpreter) -> None:
     py = str(interp.venv / "bin" / "python")
     stamp = interp.venv / ".installed"
     # The editable install also builds spanprof's C extension: redo it when a C source
-    # changes, and redo a chroot venv when the chroot was rebuilt.
+    # changes, when TEST_DEPS change (the stamp holds them), and for a chroot venv when the
+    # chroot was rebuilt.
     sources = [ROOT / "pyproject.toml", *sorted((ROOT / "middleware").rglob("*.c"))]
     if interp.source == "chroot":
         sources.append(chroot_dir() / CHROOT_MARKER)
     newest = max(source.stat().st_mtime for source in sources)
-    if stamp.exists() and stamp.stat().st_mtime >= newest:
+    wanted = "\n".join(TEST_DEPS) + "\n"
+    if stamp.exists() and stamp.stat().st_mtime >= newest and stamp.read_text() == wanted:
         return
     stamp.unlink(missing_ok=True)
     run(interp.command(interp.exe, "-m", "venv", "--clear", str(interp.venv)))
@@ -198,7 +200,7 @@ def install(interp: Interpreter) -> None:
             *TEST_DEPS,
         )
     )
-    stamp.touch()
+    stamp.write_text(wanted)
 
 
 def read_report(path: Path, result: Result) -> None:
