@@ -183,7 +183,7 @@ def _handle_run(self: asyncio.Handle) -> None:
 
 
 def _report_callback_error(handle: asyncio.Handle, exc: BaseException) -> None:
-    # The except block of asyncio's Handle._run (identical in 3.10-3.13 but for ``debug``),
+    # The except block of asyncio's Handle._run (identical in 3.10-3.15 but for ``debug``),
     # for the C hook that runs asyncio's own handles itself.
     h: Any = handle
     if sys.version_info >= (3, 13):
@@ -206,10 +206,7 @@ def _is_asyncios_own(run: Callable[..., object]) -> bool:
     # functools.wraps copies names, not code: a wrapper someone else installed must keep running.
     code = getattr(run, "__code__", None)
     return (
-        code is not None
-        and code.co_name == "_run"
-        and code.co_filename == asyncio.events.__file__
-        and sys.version_info < (3, 14)  # _report_callback_error copies what these versions do
+        code is not None and code.co_name == "_run" and code.co_filename == asyncio.events.__file__
     )
 
 

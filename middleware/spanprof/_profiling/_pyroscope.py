@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
-
-import pyroscope
 
 from .._config import parse_header_value
 from .._labels._labelset import LabelSet
@@ -16,9 +14,19 @@ from ._settings import PyroscopeSettings, WithPyroscopeSettings
 
 __all__ = ["PyroscopeBackend"]
 
-# Bound once: these run between task steps.
-_add_tag = pyroscope.add_thread_tag
-_remove_tag = pyroscope.remove_thread_tag
+
+def _import_agent() -> Any:
+    # Imported when the backend is chosen, not with spanprof: pyroscope-io is not installed on
+    # CPython 3.15+, which it has no wheel for (its sdist needs a Rust toolchain).
+    try:
+        import pyroscope
+    except ImportError as exc:
+        raise RuntimeError(
+            "spanprof's pyroscope backend needs the Pyroscope agent: pip install pyroscope-io "
+            "(it has no build for CPython 3.15 yet; there, leave SPANPROF_PROFILER unset for the "
+            "exact sampler)"
+        ) from exc
+    return pyroscope
 
 
 class PyroscopeBackend(WithPyroscopeSettings):
@@ -43,6 +51,8 @@ class PyroscopeBackend(WithPyroscopeSettings):
         basic_auth_username, basic_auth_password: basic auth for the server.
         tags: static labels on every sample of this process.
         extra_options: further keyword arguments for ``pyroscope.configure``.
+
+    Raises ``RuntimeError`` when ``pyroscope-io`` is not installed.
     """
 
     def __init__(
@@ -73,6 +83,10 @@ class PyroscopeBackend(WithPyroscopeSettings):
         for name, value in dict(headers).items():
             # The agent would fail on these later, in its own thread, saying nothing.
             parse_header_value(f"extra_options['http_headers'][{name!r}]", str(value))
+        self._agent = _import_agent()
+        # Bound once: these run between task steps.
+        self._add_tag: Callable[[str, str], object] = self._agent.add_thread_tag
+        self._remove_tag: Callable[[str, str], object] = self._agent.remove_thread_tag
         self._lock = threading.Lock()
         self._running = False
         self._watch: ReachabilityWatch | None = None
@@ -95,7 +109,7 @@ class PyroscopeBackend(WithPyroscopeSettings):
             if self._running:
                 return
             # The settings' names are pyroscope.configure's own; tags come as a fresh dict.
-            ok = pyroscope.configure(**self._settings.arguments(), **self.extra_options)
+            ok = self._agent.configure(**self._settings.arguments(), **self.extra_options)
             if ok is False:
                 log_once(
                     "pyroscope-configure",
@@ -120,7 +134,7 @@ class PyroscopeBackend(WithPyroscopeSettings):
             watch, self._watch = self._watch, None
             if watch is not None:
                 watch.stop()  # before the agent's last upload: says if that one is lost
-            pyroscope.shutdown()
+            self._agent.shutdown()
 
     def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
         """Move the calling thread's agent tags from ``previous`` to ``current``."""
@@ -128,7 +142,7 @@ class PyroscopeBackend(WithPyroscopeSettings):
         # remove exactly what changed before adding its replacement.
         for key, value in previous.items():
             if current.get(key) != value:
-                _remove_tag(key, value)
+                self._remove_tag(key, value)
         for key, value in current.items():
             if previous.get(key) != value:
-                _add_tag(key, value)
+                self._add_tag(key, value)
