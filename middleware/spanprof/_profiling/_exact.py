@@ -11,17 +11,35 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from .._labels._labelset import LabelSet
 from .._logging import logger
 from ._encoders._window import series_labels
+from ._exporters._fanout import WindowExporter, WindowFanout
+from ._exporters._otlp import OtlpExporter, OtlpSettings
 from ._exporters._pusher import Pusher
 from ._pyroscope import PyroscopeBackend
 from ._samplers._signal import CLOCKS, Sampler, SamplerUnavailable
 from ._settings import PyroscopeSettings, WithPyroscopeSettings
 
-__all__ = ["ExactBackend"]
+__all__ = ["EXPORTERS", "ExactBackend", "parse_exporters"]
+
+#: Values of ``SPANPROF_PROFILES_EXPORTER`` / ``exporters=``, comma-separated.
+EXPORTERS = ("pyroscope", "otlp")
+# server_address is not used without the pyroscope exporter; settings still need a valid one.
+_UNUSED_ADDRESS = "http://localhost:4040"
+
+
+def parse_exporters(name: str, value: str | Sequence[str]) -> tuple[str, ...]:
+    """``pyroscope``, ``otlp`` or both (``pyroscope,otlp``), in that order, without repeats."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    chosen = {item.strip().lower() for item in items if item.strip()}
+    if not chosen or not chosen <= set(EXPORTERS):
+        raise ValueError(
+            f"{name}={value!r}: expected {', '.join(EXPORTERS)} or both, comma-separated"
+        )
+    return tuple(e for e in EXPORTERS if e in chosen)
 
 
 def _ignore(previous: LabelSet, current: LabelSet) -> None:
@@ -37,7 +55,9 @@ class ExactBackend(WithPyroscopeSettings):
     work's labels as the label engine recorded them when the job started. Samples weigh the CPU
     each thread used; threads waiting on a lock, a queue or a socket are not counted as running.
     Uploads go to ``{server_address}/push.v1.PusherService/Push`` every ``upload_interval``
-    seconds, exactly like pyroscope-io's, from a background thread that encodes in slices of
+    seconds, exactly like pyroscope-io's (and/or, with ``exporters="otlp"``, as OTLP profiles
+    whose samples link to their spans, to the endpoint the ``OTEL_EXPORTER_OTLP_*`` variables
+    name), from a background thread that encodes in slices of
     under a millisecond, retries with back-off and drops (and counts) windows the server never
     took; ``shutdown()`` flushes the last one.
 
@@ -63,13 +83,16 @@ class ExactBackend(WithPyroscopeSettings):
         tags: static labels on every sample of this process.
         clock: ``"cpu"`` (default: on-CPU samples) or ``"wall"`` (every thread, waiting
             included, weighted by wall time; uses ``SIGALRM``).
+        exporters: ``"pyroscope"`` (default), ``"otlp"`` or ``"pyroscope,otlp"``. The OTLP
+            exporter reads ``OTEL_EXPORTER_OTLP_[PROFILES_]*`` here (``OtlpSettings``) and sends
+            the traces' resource; ``server_address`` may be empty without ``pyroscope``.
     """
 
     def __init__(
         self,
         *,
-        server_address: str,
-        application_name: str,
+        server_address: str = "",
+        application_name: str = "python-app",
         upload_interval: int = 10,
         sample_rate: int = 100,
         tenant_id: str = "",
@@ -77,7 +100,12 @@ class ExactBackend(WithPyroscopeSettings):
         basic_auth_password: str = "",
         tags: Mapping[str, str] | None = None,
         clock: str = "cpu",
+        exporters: str | Sequence[str] = "pyroscope",
     ) -> None:
+        self.exporters = parse_exporters("exporters", exporters)
+        if not server_address and "pyroscope" not in self.exporters:
+            server_address = _UNUSED_ADDRESS
+        self._otlp = OtlpSettings.from_env() if "otlp" in self.exporters else None
         self._settings = PyroscopeSettings(
             server_address=server_address,
             application_name=application_name,
@@ -96,7 +124,7 @@ class ExactBackend(WithPyroscopeSettings):
         self._sampler: Sampler | None = None
         self._idle_sampler: Sampler | None = None
         self._idle_pid: int | None = None
-        self._pusher: Pusher | None = None
+        self._exporters: list[WindowExporter] = []
         self._fallback: PyroscopeBackend | None = None
         self._sink = _ignore
         # The thread whose labels the sampler reads itself (0: none, e.g. in fallback mode).
@@ -111,10 +139,18 @@ class ExactBackend(WithPyroscopeSettings):
         ``PYROSCOPE_SERVER_ADDRESS`` (unset: ``None``), ``PYROSCOPE_APPLICATION_NAME`` (default
         ``OTEL_SERVICE_NAME``), ``PYROSCOPE_UPLOAD_INTERVAL``, ``PYROSCOPE_SAMPLE_RATE``,
         ``PYROSCOPE_TENANT_ID``, ``PYROSCOPE_BASIC_AUTH_USER``, ``PYROSCOPE_BASIC_AUTH_PASSWORD``,
-        ``PYROSCOPE_LABELS``, plus ``SPANPROF_PROFILE_CLOCK`` (``cpu`` or ``wall``). A bad value
-        raises ``ValueError`` naming the variable.
+        ``PYROSCOPE_LABELS``, plus ``SPANPROF_PROFILE_CLOCK`` (``cpu`` or ``wall``) and
+        ``SPANPROF_PROFILES_EXPORTER`` (``pyroscope``, ``otlp`` or ``pyroscope,otlp``; with
+        ``otlp`` the ``OTEL_EXPORTER_OTLP_*`` variables, and no Pyroscope address is needed). A
+        bad value raises ``ValueError`` naming the variable.
         """
         env = os.environ if environ is None else environ
+        exporters = parse_exporters(
+            "SPANPROF_PROFILES_EXPORTER", env.get("SPANPROF_PROFILES_EXPORTER", "") or "pyroscope"
+        )
+        otlp = OtlpSettings.from_env(env) if "otlp" in exporters else None
+        if "pyroscope" not in exporters and not env.get("PYROSCOPE_SERVER_ADDRESS", "").strip():
+            env = {**env, "PYROSCOPE_SERVER_ADDRESS": _UNUSED_ADDRESS}
         # One parser for both backends: the variables mean exactly the same thing.
         settings = PyroscopeSettings.from_env(env)
         if settings is None:
@@ -124,7 +160,9 @@ class ExactBackend(WithPyroscopeSettings):
             raise ValueError(
                 f"SPANPROF_PROFILE_CLOCK={clock!r}: expected one of {', '.join(CLOCKS)}"
             )
-        return cls(**settings.arguments(), clock=clock)
+        backend = cls(**settings.arguments(), clock=clock)
+        backend.exporters, backend._otlp = exporters, otlp
+        return backend
 
     # --- what runs -----------------------------------------------------------------------------
 
@@ -147,10 +185,17 @@ class ExactBackend(WithPyroscopeSettings):
 
     def stats(self) -> dict[str, float]:
         """Sampler and uploader counters: ticks, stall percentiles (µs), uploads, drops..."""
-        sampler, pusher = self._sampler, self._pusher
-        if sampler is None or pusher is None or self._pid != os.getpid():
+        sampler, exporters = self._sampler, self._exporters
+        if sampler is None or not exporters or self._pid != os.getpid():
             return dict(self._last_stats)
-        return {**sampler.stats(), **pusher.stats()}
+        return self._stats_of(sampler, exporters)
+
+    @staticmethod
+    def _stats_of(sampler: Sampler, exporters: list[WindowExporter]) -> dict[str, float]:
+        stats = sampler.stats()
+        for exporter in exporters:
+            stats.update(exporter.stats())
+        return stats
 
     # --- ProfilerBackend -----------------------------------------------------------------------
 
@@ -165,7 +210,8 @@ class ExactBackend(WithPyroscopeSettings):
             if self._pid == pid:
                 return
             # After a fork the parent's objects are here, but not its threads or timer.
-            self._sampler = self._pusher = self._fallback = None
+            self._sampler = self._fallback = None
+            self._exporters = []
             self._sink = _ignore
             self._context_thread = 0
             sampler = self._idle_sampler
@@ -176,6 +222,13 @@ class ExactBackend(WithPyroscopeSettings):
             try:
                 sampler.start()
             except SamplerUnavailable as exc:
+                if "pyroscope" not in self.exporters:
+                    logger.warning(
+                        "spanprof: the exact profiler cannot run in this process: %s. The OTLP "
+                        "exporter needs it: no profiles are sent",
+                        exc,
+                    )
+                    return
                 logger.warning(
                     "spanprof: the exact profiler cannot run in this process: %s. Falling back "
                     "to pyroscope-io with the label engine; its samples may carry the labels of "
@@ -187,7 +240,25 @@ class ExactBackend(WithPyroscopeSettings):
                 self._fallback = fallback
                 self._sink = fallback.set_thread_labels
             else:
-                pusher = Pusher(
+                exporters = self._new_exporters(sampler)
+                fanout = WindowFanout(sampler.take_window, len(exporters))
+                for i, exporter in enumerate(exporters):
+                    exporter.start(fanout.collector(i))
+                self._sampler, self._exporters = sampler, exporters
+                self._sink = sampler.set_thread_labels
+                self._context_thread = threading.get_ident()
+                logger.debug("spanprof: exact profiler started (pid %d)", pid)
+            self._pid = pid
+            if not self._atexit_registered:
+                # Like pyroscope-io: the last window is sent even without a lifespan shutdown.
+                atexit.register(self.shutdown)
+                self._atexit_registered = True
+
+    def _new_exporters(self, sampler: Sampler) -> list[WindowExporter]:
+        exporters: list[WindowExporter] = []
+        if "pyroscope" in self.exporters:
+            exporters.append(
+                Pusher(
                     server_address=self.server_address,
                     labels=series_labels(self.application_name, self.tags),
                     period_ns=1_000_000_000 // self.sample_rate,
@@ -199,16 +270,18 @@ class ExactBackend(WithPyroscopeSettings):
                     flush_timeout=2.0,
                     block_signals=(sampler.signum,),
                 )
-                pusher.start(sampler.take_window)
-                self._sampler, self._pusher = sampler, pusher
-                self._sink = sampler.set_thread_labels
-                self._context_thread = threading.get_ident()
-                logger.debug("spanprof: exact profiler started (pid %d)", pid)
-            self._pid = pid
-            if not self._atexit_registered:
-                # Like pyroscope-io: the last window is sent even without a lifespan shutdown.
-                atexit.register(self.shutdown)
-                self._atexit_registered = True
+            )
+        if self._otlp is not None:
+            exporters.append(
+                OtlpExporter(
+                    self._otlp,
+                    upload_interval=self.upload_interval,
+                    attributes=sorted(self.tags.items()),
+                    flush_timeout=2.0,
+                    block_signals=(sampler.signum,),
+                )
+            )
+        return exporters
 
     def shutdown(self) -> None:
         """Stop sampling, upload the last window and stop the uploader."""
@@ -218,14 +291,15 @@ class ExactBackend(WithPyroscopeSettings):
             self._pid = None
             self._sink = _ignore
             self._context_thread = 0
-            sampler, pusher, fallback = self._sampler, self._pusher, self._fallback
-            self._sampler = self._pusher = self._fallback = None
+            sampler, exporters, fallback = self._sampler, self._exporters, self._fallback
+            self._sampler = self._fallback = None
+            self._exporters = []
             if sampler is not None:
                 sampler.stop()
-            if pusher is not None:
-                pusher.stop()
-            if sampler is not None and pusher is not None:
-                self._last_stats = {**sampler.stats(), **pusher.stats()}
+            for exporter in exporters:
+                exporter.stop()
+            if sampler is not None and exporters:
+                self._last_stats = self._stats_of(sampler, exporters)
             if fallback is not None:
                 fallback.shutdown()
 
