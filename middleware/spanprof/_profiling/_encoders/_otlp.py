@@ -403,33 +403,45 @@ class OtlpEncoder:
     # --- the last step -------------------------------------------------------------------------
 
     def _assemble(self) -> None:
+        # The nested messages are length-prefixed chunks joined once at the end: the samples
+        # and tables (most of the bytes) are copied a single time.
         window = self.window
         strings = self._strings
-        profile = bytearray()
-        put_bytes_field(profile, _P_SAMPLE_TYPE, _value_type(strings, SAMPLE_TYPE))
-        profile += self._samples
-        put_fixed64_field(profile, _P_TIME_UNIX_NANO, window.start_ns)
-        put_varint_field(profile, _P_DURATION_NANO, max(0, window.end_ns - window.start_ns))
-        put_bytes_field(profile, _P_PERIOD_TYPE, _value_type(strings, PERIOD_TYPE))
-        put_varint_field(profile, _P_PERIOD, PERIOD)
-        put_bytes_field(profile, _P_PROFILE_ID, self.profile_id)
-        put_packed_varints_field(profile, _P_ATTRIBUTE_INDICES, self._profile_attributes)
-        scope_profiles = bytearray()
-        put_bytes_field(scope_profiles, _SP_SCOPE, self.scope)
-        put_bytes_field(scope_profiles, _SP_PROFILES, profile)
-        resource_profiles = bytearray()
-        put_bytes_field(resource_profiles, _RP_RESOURCE, self.resource)
-        put_bytes_field(resource_profiles, _RP_SCOPE_PROFILES, scope_profiles)
-        dictionary = bytearray()
-        dictionary += self._mappings
-        dictionary += self._locations
-        dictionary += self._functions
-        dictionary += self._links
-        dictionary += strings.buf
-        dictionary += self._attributes
-        dictionary += self._stacks
-        request = bytearray()
-        put_bytes_field(request, _REQ_RESOURCE_PROFILES, resource_profiles)
-        put_bytes_field(request, _REQ_DICTIONARY, dictionary)
-        self.request = bytes(request)
+        head = bytearray()
+        put_bytes_field(head, _P_SAMPLE_TYPE, _value_type(strings, SAMPLE_TYPE))
+        tail = bytearray()
+        put_fixed64_field(tail, _P_TIME_UNIX_NANO, window.start_ns)
+        put_varint_field(tail, _P_DURATION_NANO, max(0, window.end_ns - window.start_ns))
+        put_bytes_field(tail, _P_PERIOD_TYPE, _value_type(strings, PERIOD_TYPE))
+        put_varint_field(tail, _P_PERIOD, PERIOD)
+        put_bytes_field(tail, _P_PROFILE_ID, self.profile_id)
+        put_packed_varints_field(tail, _P_ATTRIBUTE_INDICES, self._profile_attributes)
+        profile = _wrap(_SP_PROFILES, [head, self._samples, tail])
+        scope = bytearray()
+        put_bytes_field(scope, _SP_SCOPE, self.scope)
+        scope_profiles = _wrap(_RP_SCOPE_PROFILES, [scope, *profile])
+        resource = bytearray()
+        put_bytes_field(resource, _RP_RESOURCE, self.resource)
+        resource_profiles = _wrap(_REQ_RESOURCE_PROFILES, [resource, *scope_profiles])
+        dictionary = _wrap(
+            _REQ_DICTIONARY,
+            [
+                self._mappings,
+                self._locations,
+                self._functions,
+                self._links,
+                strings.buf,
+                self._attributes,
+                self._stacks,
+            ],
+        )
+        self.request = b"".join([*resource_profiles, *dictionary])
         self._done = True
+
+
+def _wrap(field: int, chunks: list[bytes | bytearray]) -> list[bytes | bytearray]:
+    """``chunks`` as the payload of length-delimited ``field``: a prefix, then the chunks."""
+    prefix = bytearray()
+    put_tag(prefix, field, WIRE_LEN)
+    put_varint(prefix, sum(len(chunk) for chunk in chunks))
+    return [prefix, *chunks]
