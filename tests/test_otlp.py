@@ -302,6 +302,16 @@ def test_exporters_option_and_variable() -> None:
     )
     assert isinstance(backend, ExactBackend)
     assert backend.exporters == ("otlp",)
+    implied = profiler_from_env({"SPANPROF_PROFILES_EXPORTER": "otlp"})
+    assert isinstance(implied, ExactBackend)
+    with pytest.raises(ValueError, match="SPANPROF_PROFILES_EXPORTER"):
+        profiler_from_env(
+            {
+                "SPANPROF_PROFILER": "pyroscope",
+                "SPANPROF_PROFILES_EXPORTER": "otlp",
+                "PYROSCOPE_SERVER_ADDRESS": "http://p:4040",
+            }
+        )
     both = ExactBackend.from_env(
         {
             "PYROSCOPE_SERVER_ADDRESS": "http://p:4040",

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Final, Literal
 
 from .._labels._backend import ProfilerBackend
-from ._exact import ExactBackend
+from ._exact import ExactBackend, parse_exporters
 from ._pyroscope import PyroscopeBackend
 
 __all__ = ["FROM_ENV", "PROFILERS", "FromEnv", "choose_profiler", "profiler_from_env"]
@@ -36,10 +36,21 @@ def profiler_from_env(environ: Mapping[str, str] | None = None) -> ProfilerBacke
     """The profiler ``SPANPROF_PROFILER`` names, configured from ``PYROSCOPE_*``, or ``None``.
 
     ``pyroscope`` (default): ``PyroscopeBackend.from_env``; ``exact``: ``ExactBackend.from_env``.
-    Either is ``None`` when ``PYROSCOPE_SERVER_ADDRESS`` is unset.
+    Either is ``None`` when ``PYROSCOPE_SERVER_ADDRESS`` is unset (and no OTLP export is asked
+    for). OTLP profiles (``SPANPROF_PROFILES_EXPORTER`` with ``otlp``) come from the exact
+    profiler only: they make it the default, and contradict ``SPANPROF_PROFILER=pyroscope``.
     """
     env = os.environ if environ is None else environ
-    choice = env.get("SPANPROF_PROFILER", "").strip().lower() or "pyroscope"
+    exporters = parse_exporters(
+        "SPANPROF_PROFILES_EXPORTER", env.get("SPANPROF_PROFILES_EXPORTER", "") or "pyroscope"
+    )
+    default = "exact" if "otlp" in exporters else "pyroscope"
+    choice = env.get("SPANPROF_PROFILER", "").strip().lower() or default
+    if choice == "pyroscope" and "otlp" in exporters:
+        raise ValueError(
+            "SPANPROF_PROFILES_EXPORTER: otlp needs SPANPROF_PROFILER=exact (pyroscope-io "
+            "only pushes to Pyroscope)"
+        )
     if choice == "pyroscope":
         return PyroscopeBackend.from_env(env)
     if choice == "exact":
