@@ -34,12 +34,20 @@ import os
 import struct
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TypeVar
 
 from ..._labels._labelset import LabelSet
 from ..._version import __version__
 from .._window import Frame, Window
+from ._pprof import Profile, Sample
 from ._protowire import (
     WIRE_LEN,
+    FieldValue,
+    ProtoDecodeError,
+    as_bytes,
+    as_int,
+    as_str,
+    iter_fields,
     put_bytes_field,
     put_fixed64_field,
     put_packed_varints_field,
@@ -47,7 +55,10 @@ from ._protowire import (
     put_tag,
     put_varint,
     put_varint_field,
+    to_int64,
+    unpack_varints,
 )
+from ._push import PushSeries
 from ._window import STEP_BUDGET_NS
 
 __all__ = [
@@ -55,8 +66,10 @@ __all__ = [
     "PERIOD_TYPE",
     "SAMPLE_TYPE",
     "SCOPE_NAME",
+    "OtlpDecodeError",
     "OtlpEncoder",
     "current_resource_attributes",
+    "decode_export_request",
     "encode_resource",
     "encode_scope",
 ]
@@ -122,6 +135,7 @@ _SCOPE_NAME = 1
 _SCOPE_VERSION = 2
 _RESOURCE_ATTRIBUTES = 1
 
+_T = TypeVar("_T")
 _NO_TRACE = bytes(16)
 _NO_SPAN = bytes(8)
 _HEX = frozenset("0123456789abcdef")
@@ -445,3 +459,191 @@ def _wrap(field: int, chunks: list[bytes | bytearray]) -> list[bytes | bytearray
     put_tag(prefix, field, WIRE_LEN)
     put_varint(prefix, sum(len(chunk) for chunk in chunks))
     return [prefix, *chunks]
+
+
+# --- decoding (for the local receiver) ------------------------------------------------------------
+
+
+class OtlpDecodeError(ProtoDecodeError):
+    """Raised when a body is not a decodable ``ExportProfilesServiceRequest``."""
+
+
+def _fields(data: bytes) -> dict[int, list[FieldValue]]:
+    out: dict[int, list[FieldValue]] = {}
+    for field, _wire, value in iter_fields(data):
+        out.setdefault(field, []).append(value)
+    return out
+
+
+def _ints(fields: dict[int, list[FieldValue]], field: int) -> list[int]:
+    return [v for raw in fields.get(field, ()) for v in unpack_varints(raw)]
+
+
+def _int(fields: dict[int, list[FieldValue]], field: int) -> int:
+    values = fields.get(field)
+    return to_int64(as_int(values[-1])) if values else 0
+
+
+def _msg(fields: dict[int, list[FieldValue]], field: int) -> bytes:
+    values = fields.get(field)
+    return as_bytes(values[-1]) if values else b""
+
+
+def _any_text(data: bytes, strings: Sequence[str]) -> str:
+    fields = _fields(data)
+    if _AV_STRING in fields:
+        return as_str(fields[_AV_STRING][-1])
+    if _AV_BOOL in fields:
+        return "true" if _int(fields, _AV_BOOL) else "false"
+    if _AV_INT in fields:
+        return str(_int(fields, _AV_INT))
+    if _AV_DOUBLE in fields:
+        return repr(struct.unpack("<d", as_int(fields[_AV_DOUBLE][-1]).to_bytes(8, "little"))[0])
+    if 8 in fields:  # string_value_strindex
+        return _at(strings, _int(fields, 8), "string")
+    return ""
+
+
+def _at(table: Sequence[_T], index: int, what: str) -> _T:
+    if not 0 <= index < len(table):
+        raise OtlpDecodeError(f"{what} index {index} out of range ({len(table)})")
+    return table[index]
+
+
+def decode_export_request(data: bytes) -> list[PushSeries]:
+    """An uncompressed ``ExportProfilesServiceRequest`` as push series, as Pyroscope ingests it.
+
+    One series per profile, labelled ``__name__`` (``process_cpu`` for ``samples/count`` with
+    period ``cpu/nanoseconds``, whose values become nanoseconds; else the sample type) and
+    ``service_name`` (the resource's ``service.name``), plus the resource's other string
+    attributes. A sample's link becomes ``span_id``/``trace_id`` hex labels, its attributes
+    the other labels.
+    """
+    try:
+        return _decode_export_request(data)
+    except OtlpDecodeError:
+        raise
+    except ProtoDecodeError as exc:
+        raise OtlpDecodeError(f"invalid ExportProfilesServiceRequest: {exc}") from exc
+
+
+def _decode_export_request(data: bytes) -> list[PushSeries]:
+    request = _fields(data)
+    d = _fields(_msg(request, _REQ_DICTIONARY))
+    strings = [as_str(v) for v in d.get(_D_STRING, ())] or [""]
+    functions = []
+    for raw in d.get(_D_FUNCTION, ()):
+        f = _fields(as_bytes(raw))
+        functions.append(
+            (_at(strings, _int(f, _F_NAME), "string"), _at(strings, _int(f, _F_FILENAME), "string"))
+        )
+    locations: list[tuple[Frame, ...]] = []
+    for raw in d.get(_D_LOCATION, ()):
+        loc = _fields(as_bytes(raw))
+        frames = []
+        for line_raw in loc.get(_LOC_LINES, ()):
+            line = _fields(as_bytes(line_raw))
+            name, filename = _at(functions, _int(line, _LINE_FUNCTION_INDEX), "function")
+            frames.append(Frame(name, filename, _int(line, _LINE_LINE)))
+        locations.append(tuple(frames))
+    stacks = [
+        tuple(
+            frame
+            for i in _ints(_fields(as_bytes(raw)), _STACK_LOCATIONS)
+            for frame in _at(locations, i, "location")
+        )
+        for raw in d.get(_D_STACK, ())
+    ]
+    links = []
+    for raw in d.get(_D_LINK, ()):
+        link = _fields(as_bytes(raw))
+        links.append((_msg(link, _LINK_TRACE_ID).hex(), _msg(link, _LINK_SPAN_ID).hex()))
+    attributes = []
+    for raw in d.get(_D_ATTRIBUTE, ()):
+        kv = _fields(as_bytes(raw))
+        attributes.append(
+            (_at(strings, _int(kv, _KVU_KEY), "string"), _any_text(_msg(kv, _KVU_VALUE), strings))
+        )
+    series: list[PushSeries] = []
+    for rp_raw in request.get(_REQ_RESOURCE_PROFILES, ()):
+        rp = _fields(as_bytes(rp_raw))
+        resource: dict[str, str] = {}
+        for kv_raw in _fields(_msg(rp, _RP_RESOURCE)).get(_RESOURCE_ATTRIBUTES, ()):
+            kv = _fields(as_bytes(kv_raw))
+            resource[as_str(_msg(kv, _KV_KEY))] = _any_text(_msg(kv, _KV_VALUE), strings)
+        service = resource.pop("service.name", "") or "unknown_service"
+        for sp_raw in rp.get(_RP_SCOPE_PROFILES, ()):
+            for p_raw in _fields(as_bytes(sp_raw)).get(_SP_PROFILES, ()):
+                series.append(
+                    _series(
+                        _fields(as_bytes(p_raw)), service, resource, strings, stacks, links,
+                        attributes,
+                    )
+                )  # fmt: skip
+    return series
+
+
+def _series(
+    p: dict[int, list[FieldValue]],
+    service: str,
+    resource: Mapping[str, str],
+    strings: Sequence[str],
+    stacks: Sequence[tuple[Frame, ...]],
+    links: Sequence[tuple[str, str]],
+    attributes: Sequence[tuple[str, str]],
+) -> PushSeries:
+    def value_type(field: int) -> tuple[str, str]:
+        vt = _fields(_msg(p, field))
+        return (
+            _at(strings, _int(vt, _VT_TYPE), "string"),
+            _at(strings, _int(vt, _VT_UNIT), "string"),
+        )
+
+    sample_type, period_type = value_type(_P_SAMPLE_TYPE), value_type(_P_PERIOD_TYPE)
+    period = _int(p, _P_PERIOD)
+    scale = 1
+    name = sample_type[0] or "process_cpu"
+    if sample_type == SAMPLE_TYPE and period_type == PERIOD_TYPE and period:
+        # As Pyroscope converts it: CPU samples counted in periods become CPU nanoseconds.
+        sample_type, scale, name = PERIOD_TYPE, period, "process_cpu"
+    samples = []
+    for s_raw in p.get(_P_SAMPLES, ()):
+        s = _fields(as_bytes(s_raw))
+        values = [to_int64(v) for v in _ints(s, _S_VALUES)]
+        if not values:
+            values = [len([t for raw in s.get(5, ()) for t in _fixed64s(raw)])]
+        labels = [_at(attributes, i, "attribute") for i in _ints(s, _S_ATTRIBUTE_INDICES)]
+        link = _int(s, _S_LINK_INDEX)
+        if link:
+            trace, span = _at(links, link, "link")
+            labels.append(("span_id", span))
+            if any(c != "0" for c in trace):
+                labels.append(("trace_id", trace))
+        samples.append(
+            Sample(
+                _at(stacks, _int(s, _S_STACK_INDEX), "stack"),
+                (sum(values) * scale,),
+                tuple(labels),
+            )
+        )
+    profile = Profile(
+        sample_types=(sample_type,),
+        period_type=period_type,
+        period=period,
+        time_nanos=_fixed64(p, _P_TIME_UNIX_NANO),
+        duration_nanos=_int(p, _P_DURATION_NANO),
+        samples=tuple(samples),
+    )
+    labels = [("__name__", name), ("service_name", service), *sorted(resource.items())]
+    return PushSeries(tuple(labels), (profile,))
+
+
+def _fixed64(fields: dict[int, list[FieldValue]], field: int) -> int:
+    values = fields.get(field)
+    return as_int(values[-1]) if values else 0
+
+
+def _fixed64s(raw: FieldValue) -> list[int]:
+    if isinstance(raw, int):
+        return [raw]
+    return [int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw) - 7, 8)]
