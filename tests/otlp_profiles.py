@@ -1,5 +1,6 @@
 """An OTLP profiles receiver on loopback that decodes with opentelemetry-proto's own classes.
 
+``GrpcProfilesReceiver`` is the same over gRPC (grpcio), with a scripted outcome per call.
 ``OtlpProfilesReceiver`` accepts ``POST /v1development/profiles`` (``application/x-protobuf``,
 gzip or not), parses each body as ``ExportProfilesServiceRequest`` with the generated classes,
 and records the data-model violations ``model_violations`` finds. ``responses`` scripts what
@@ -26,6 +27,7 @@ from spanprof._local._receiver import ReceivedSample
 from spanprof._profiling._window import Frame
 
 __all__ = [
+    "GrpcProfilesReceiver",
     "OtlpProfilesReceiver",
     "Response",
     "flatten",
@@ -284,3 +286,67 @@ class OtlpProfilesReceiver:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+class GrpcProfilesReceiver:
+    """A gRPC ProfilesService on loopback answering each Export with the next scripted outcome."""
+
+    def __init__(self, script: list[str] | None = None) -> None:
+        import concurrent.futures
+
+        import grpc
+
+        self.script = list(script or [])
+        self.requests: list[ExportProfilesServiceRequest] = []
+        self.metadata: list[dict[str, str]] = []
+        self.times: list[float] = []
+        self.errors: list[str] = []
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+        handler = grpc.method_handlers_generic_handler(
+            "opentelemetry.proto.collector.profiles.v1development.ProfilesService",
+            {
+                "Export": grpc.unary_unary_rpc_method_handler(
+                    self._export, request_deserializer=None, response_serializer=None
+                )
+            },
+        )
+        self.server.add_generic_rpc_handlers((handler,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+
+    def _export(self, body: bytes, context: Any) -> bytes:
+        import grpc
+        from google.protobuf.duration_pb2 import Duration
+        from google.rpc import error_details_pb2, status_pb2
+
+        self.times.append(time.monotonic())
+        outcome = self.script.pop(0) if self.script else "ok"
+        if outcome == "unavailable":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "down for a moment")
+        if outcome == "invalid":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no")
+        if outcome == "exhausted":
+            status = status_pb2.Status(code=8, message="slow down")
+            status.details.add().Pack(
+                error_details_pb2.RetryInfo(retry_delay=Duration(seconds=1, nanos=0))
+            )
+            context.set_trailing_metadata(
+                (("grpc-status-details-bin", status.SerializeToString()),)
+            )
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "slow down")
+        request = ExportProfilesServiceRequest()
+        request.ParseFromString(body)
+        self.errors.extend(model_violations(request))
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        return b""
+
+    def samples(self) -> list[ReceivedSample]:
+        """Every sample of every accepted request, flattened."""
+        return [s for request in list(self.requests) for s in flatten(request)]
+
+    def __enter__(self) -> GrpcProfilesReceiver:
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop(grace=None)

@@ -22,7 +22,13 @@ from .conftest import require
 from .e2e.analysis import attribute
 from .e2e.faults import faulty_endpoint
 from .e2e.server import free_port, serve, uvicorn_argv
-from .otlp_profiles import PATH, OtlpProfilesReceiver, Response, resource_attributes
+from .otlp_profiles import (
+    PATH,
+    GrpcProfilesReceiver,
+    OtlpProfilesReceiver,
+    Response,
+    resource_attributes,
+)
 
 pytestmark = [pytest.mark.e2e]
 
@@ -91,6 +97,38 @@ def test_otlp_profiles_link_every_sample_to_its_requests_span(loop: str, tmp_pat
     assert 0.85 <= sum(result.per_request.values()) / 1e9 / measured_total <= 1.15
     assert stats["otlp_max_export_step_us"] < 2000, stats
     assert stats["otlp_dropped"] == stats["otlp_rejected"] == 0, stats
+
+
+def test_otlp_profiles_over_grpc_link_every_sample_too(tmp_path: Path) -> None:
+    """The same under OTEL_EXPORTER_OTLP_PROFILES_PROTOCOL=grpc: grpcio's threads next to the
+    SIGPROF sampler change nothing."""
+    from spanprof._profiling._exporters._otlp_grpc import grpc_available
+
+    require(sys.platform.startswith("linux"), "the exact profiler needs Linux thread CPU clocks")
+    require(grpc_available(), "grpcio (the grpc extra) is not installed")
+    port = free_port()
+    with GrpcProfilesReceiver() as receiver:
+        env = _env(f"http://127.0.0.1:{receiver.port}", OTEL_EXPORTER_OTLP_PROFILES_PROTOCOL="grpc")
+        with serve(
+            uvicorn_argv("tests.e2e.exact_app:app", port, "asyncio"),
+            health_url=f"http://127.0.0.1:{port}/health",
+            env=env,
+            log_path=tmp_path / "uvicorn.log",
+        ):
+            results, stats = asyncio.run(_fire(f"http://127.0.0.1:{port}", CONCURRENCY))
+        samples = receiver.samples()
+        assert receiver.errors == []
+    log = (tmp_path / "uvicorn.log").read_text()
+    assert "Traceback" not in log, log
+    assert stats["mode"] == "exact", stats
+    assert stats["errors"] == 0, stats
+    expected = {i: result["labels"] for i, result in results.items()}
+    result = attribute(samples, expected, keys=("span_id", "trace_id", "span_name"))
+    print("grpc", result.summary(), stats)
+    assert len(result.per_request) == CONCURRENCY, result.summary()
+    assert result.exact_share >= 0.99, result.summary()
+    assert result.background_labelled == 0, result.summary()
+    assert stats["otlp_uploads"] >= 1, stats
 
 
 FAULTS = ("down", "429", "500", "hang")

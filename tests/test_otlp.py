@@ -40,6 +40,7 @@ from spanprof._version import __version__
 
 from .e2e.server import free_port
 from .otlp_profiles import (
+    GrpcProfilesReceiver,
     OtlpProfilesReceiver,
     Response,
     flatten,
@@ -258,7 +259,7 @@ def test_settings_follow_the_otel_exporter_variables() -> None:
         ("OTEL_EXPORTER_OTLP_TIMEOUT", "10s"),
         ("OTEL_EXPORTER_OTLP_PROFILES_TIMEOUT", "0"),
         ("OTEL_EXPORTER_OTLP_PROFILES_PROTOCOL", "http/json"),
-        ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc/json"),
         ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/nonexistent/ca.pem"),
     ],
 )
@@ -684,3 +685,98 @@ def test_local_receiver_decodes_like_the_generated_classes_and_rejects_garbage()
         assert status == 400
         assert len(receiver.errors) == 1
         assert receiver.pushes == 0
+
+
+# --- gRPC ----------------------------------------------------------------------------------------
+
+
+def _grpc_exporter(port: int, **options: Any) -> OtlpExporter:
+    settings = OtlpSettings(
+        endpoint=f"http://127.0.0.1:{port}",
+        protocol="grpc",
+        timeout=2.0,
+        headers=(("Authorization", "Bearer t"),),
+    )
+    defaults: dict[str, Any] = {
+        "upload_interval": 0.1,
+        "backoff_initial": 0.05,
+        "backoff_max": 0.4,
+        "flush_timeout": 2.0,
+        "resource_attributes": lambda: RESOURCE,
+    }
+    return OtlpExporter(settings, **{**defaults, **options})
+
+
+def _require_grpc() -> None:
+    from spanprof._profiling._exporters._otlp_grpc import grpc_available
+
+    from .conftest import require
+
+    require(grpc_available(), "grpcio (the grpc extra) is not installed")
+
+
+def test_grpc_export_sends_the_same_request_and_retries_by_the_otlp_grpc_rules() -> None:
+    """UNAVAILABLE is retried with back-off, RESOURCE_EXHAUSTED after its RetryInfo delay; the
+    request decodes with the generated classes; headers arrive as metadata."""
+    _require_grpc()
+    with GrpcProfilesReceiver(["unavailable", "exhausted"]) as receiver:
+        exporter = _grpc_exporter(receiver.port)
+        windows = iter([_window((_labels(0), 10_000_000))])
+        exporter.start(lambda: next(windows, Window(time.time_ns(), StackTables())))
+        deadline = time.monotonic() + 10
+        while not receiver.requests and time.monotonic() < deadline:
+            time.sleep(0.02)
+        exporter.stop()
+    stats = exporter.stats()
+    assert (stats["otlp_failures"], stats["otlp_retries"], stats["otlp_uploads"]) == (2, 2, 1)
+    (request,) = receiver.requests
+    assert model_violations(request) == []
+    (sample,) = flatten(request)
+    assert dict(sample.labels) == dict(_labels(0))
+    assert receiver.metadata[0]["authorization"] == "Bearer t"
+    _unavailable, exhausted, accepted = receiver.times
+    assert accepted - exhausted >= 0.95
+
+
+def test_grpc_export_drops_what_the_server_rejects() -> None:
+    """INVALID_ARGUMENT is not retried: the window is dropped and counted as rejected."""
+    _require_grpc()
+    with GrpcProfilesReceiver(["invalid"]) as receiver:
+        exporter = _grpc_exporter(receiver.port, upload_interval=60.0)
+        exporter.start(_windows(lambda n: _window((_labels(n), 5))))
+        exporter.stop()
+    stats = exporter.stats()
+    assert (stats["otlp_rejected"], stats["otlp_retries"], stats["otlp_uploads"]) == (1, 0, 0)
+    assert len(receiver.times) == 1
+
+
+def test_grpc_settings_from_the_environment() -> None:
+    """With protocol grpc the endpoint gets no path; host:port is allowed, secure by default."""
+    _require_grpc()
+    from spanprof._profiling._exporters._otlp_grpc import GrpcTransport
+
+    settings = OtlpSettings.from_env({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+    assert settings.endpoint == "http://localhost:4317"
+    assert (GrpcTransport(settings).target, GrpcTransport(settings).secure) == (
+        "localhost:4317",
+        False,
+    )
+    bare = OtlpSettings.from_env(
+        {
+            "OTEL_EXPORTER_OTLP_PROFILES_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4317",
+        }
+    )
+    assert (GrpcTransport(bare).target, GrpcTransport(bare).secure) == ("collector:4317", True)
+    insecure = OtlpSettings.from_env(
+        {
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT": "collector:4317",
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        }
+    )
+    assert GrpcTransport(insecure).secure is False
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_INSECURE"):
+        OtlpSettings.from_env(
+            {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_INSECURE": "maybe"}
+        )

@@ -1,11 +1,12 @@
-"""Exports profile windows as OTLP profiles (``http/protobuf``) from a background thread.
+"""Exports profile windows as OTLP profiles (``http/protobuf`` or ``grpc``) from a thread.
 
 One ``POST`` of an ``ExportProfilesServiceRequest`` per upload interval to the profiles
 endpoint (``Content-Type: application/x-protobuf``, gzip'd by default), configured like every
 OpenTelemetry exporter (``OtlpSettings.from_env``). The window is encoded (``_encoders._otlp``)
 in slices of ~0.5 ms of CPU each, releasing the GIL in between.
 
-Retries follow the OTLP/HTTP rules: 429, 502, 503 and 504 (and connection failures) are retried
+With ``grpc`` (the ``grpc`` extra: grpcio) the same bytes go through ``_otlp_grpc``. Retries
+follow the OTLP/HTTP rules: 429, 502, 503 and 504 (and connection failures) are retried
 with exponential back-off, or after the server's ``Retry-After`` when it sends one; any other
 status drops the window (counted in ``rejected``). While the endpoint is away at most
 ``max_pending`` windows wait, and the oldest is dropped (counted in ``dropped``) to make room.
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import unquote, urlsplit
 
-from ..._config import parse_int
+from ..._config import parse_bool, parse_int
 from ..._logging import log_once
 from ..._version import __version__
 from .._encoders._otlp import (
@@ -39,18 +40,20 @@ from .._encoders._otlp import (
 )
 from .._encoders._protowire import ProtoDecodeError, as_bytes, as_int, as_str, iter_fields
 from .._window import Window
+from ._otlp_grpc import GrpcTransport, grpc_available
 
 __all__ = ["OTLP_CONTENT_TYPE", "OTLP_PROFILES_PATH", "OtlpExporter", "OtlpSettings"]
 
 #: Where the profiles signal goes under ``OTEL_EXPORTER_OTLP_ENDPOINT``.
 OTLP_PROFILES_PATH = "/v1development/profiles"
 OTLP_CONTENT_TYPE = "application/x-protobuf"
-PROTOCOLS = ("http/protobuf",)
+PROTOCOLS = ("http/protobuf", "grpc")
 COMPRESSIONS = ("gzip", "none")
 #: OTLP/HTTP: only these statuses are worth another try.
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
 
 _DEFAULT_ENDPOINT = "http://localhost:4318"
+_DEFAULT_GRPC_ENDPOINT = "http://localhost:4317"
 _Outcome = Literal["ok", "retry", "reject"]
 
 
@@ -106,9 +109,11 @@ class OtlpSettings:
         headers: extra request headers (e.g. authentication).
         compression: ``"gzip"`` (default) or ``"none"``.
         timeout: seconds one export may take.
-        protocol: ``"http/protobuf"``.
+        protocol: ``"http/protobuf"`` or ``"grpc"`` (needs grpcio; ``endpoint`` is then
+            ``http(s)://host:port`` or ``host:port``, secure unless ``insecure``).
         certificate: CA bundle for https endpoints (default: the system's).
         client_certificate, client_key: a client certificate for mTLS.
+        insecure: gRPC without TLS for an endpoint given without a scheme.
     """
 
     endpoint: str = _DEFAULT_ENDPOINT + OTLP_PROFILES_PATH
@@ -119,9 +124,16 @@ class OtlpSettings:
     certificate: str = ""
     client_certificate: str = ""
     client_key: str = ""
+    insecure: bool = False
 
     def __post_init__(self) -> None:
-        _check_url("endpoint", self.endpoint)
+        if self.protocol == "grpc":
+            if not grpc_available():
+                raise ValueError("protocol: 'grpc' needs grpcio (pip install 'spanprof[grpc]')")
+            if "://" in self.endpoint:
+                _check_url("endpoint", self.endpoint)
+        else:
+            _check_url("endpoint", self.endpoint)
         if self.compression not in COMPRESSIONS:
             raise ValueError(
                 f"compression: expected one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"
@@ -143,15 +155,32 @@ class OtlpSettings:
         ``…_TIMEOUT`` (milliseconds, default 10000), ``…_PROTOCOL`` (``http/protobuf``),
         ``…_CERTIFICATE``, ``…_CLIENT_CERTIFICATE``, ``…_CLIENT_KEY``. The profiles-specific
         variable wins over the generic one. A bad value raises ``ValueError`` naming it.
+
+        With ``…_PROTOCOL=grpc`` (grpcio installed) no path is appended: the endpoint
+        (default ``http://localhost:4317``) is ``http(s)://host:port``, or ``host:port`` made
+        plain-text by ``…_INSECURE=true``.
         """
         env = os.environ if environ is None else environ
         name, protocol = _variable(env, "PROTOCOL")
         protocol = protocol.lower() or "http/protobuf"
         if protocol not in PROTOCOLS:
-            hint = " (grpc is not supported yet)" if protocol == "grpc" else ""
-            raise ValueError(f"{name}={protocol!r}: expected one of {', '.join(PROTOCOLS)}{hint}")
+            raise ValueError(f"{name}={protocol!r}: expected one of {', '.join(PROTOCOLS)}")
+        if protocol == "grpc" and not grpc_available():
+            raise ValueError(f"{name}=grpc needs grpcio: pip install 'spanprof[grpc]'")
+        name, raw_insecure = _variable(env, "INSECURE")
+        insecure = parse_bool(name, raw_insecure) if raw_insecure else False
         specific = env.get("OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT", "").strip()
-        if specific:
+        if protocol == "grpc":
+            name = "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT"
+            endpoint = specific or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+            if not specific:
+                name = "OTEL_EXPORTER_OTLP_ENDPOINT"
+            endpoint = endpoint or _DEFAULT_GRPC_ENDPOINT
+            if "://" in endpoint:
+                _check_url(name, endpoint)
+            elif not urlsplit(f"//{endpoint}").hostname:
+                raise ValueError(f"{name}={endpoint!r}: expected host:port or a URL")
+        elif specific:
             endpoint = _check_url("OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT", specific)
         else:
             base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or _DEFAULT_ENDPOINT
@@ -177,6 +206,7 @@ class OtlpSettings:
             certificate=certificate,
             client_certificate=client_certificate,
             client_key=client_key,
+            insecure=insecure,
         )
 
 
@@ -249,7 +279,8 @@ class OtlpExporter:
         block_signals: Iterable[int] = (),
     ) -> None:
         self.settings = settings
-        parts = urlsplit(settings.endpoint)
+        self._grpc = GrpcTransport(settings) if settings.protocol == "grpc" else None
+        parts = urlsplit(settings.endpoint if self._grpc is None else "http://grpc")
         self.url = settings.endpoint
         self._https = parts.scheme == "https"
         self._host = parts.hostname or ""
@@ -272,7 +303,9 @@ class OtlpExporter:
             "User-Agent": f"spanprof/{__version__}",
             **dict(settings.headers),
         }
-        if settings.compression == "gzip":
+        # gRPC compresses on its own (grpc.Compression.Gzip).
+        self._gzip = settings.compression == "gzip" and self._grpc is None
+        if self._gzip:
             self._headers["Content-Encoding"] = "gzip"
         self._ssl: ssl.SSLContext | None = None
         if self._https:
@@ -367,6 +400,8 @@ class OtlpExporter:
             self._drop(len(self._queue), "the endpoint did not answer before shutdown")
             self._queue.clear()
         self._close()
+        if self._grpc is not None:
+            self._grpc.close()
 
     def _timed(self, work: Callable[[], object]) -> None:
         # One step of export work under the GIL; the sleep(0) after it lets waiting threads in.
@@ -395,7 +430,7 @@ class OtlpExporter:
         while not encoder.done:
             self._timed(encoder.step)
         self.raw_bytes += len(encoder.request)
-        if self.settings.compression == "gzip":
+        if self._gzip:
             # zlib releases the GIL while it deflates.
             return gzip.compress(encoder.request, compresslevel=6, mtime=0)
         return encoder.request
@@ -474,6 +509,11 @@ class OtlpExporter:
             time.sleep(delay)
 
     def _post(self, body: bytes) -> tuple[_Outcome, str, float | None]:
+        if self._grpc is not None:
+            outcome, detail, wait, answer = self._grpc.export(body, self.timeout)
+            if outcome == "ok":
+                self._partial_success(answer)
+            return outcome, detail, wait
         reused = self._conn is not None
         try:
             return self._post_once(body)
@@ -498,18 +538,21 @@ class OtlpExporter:
         if response.will_close:
             self._close()
         if 200 <= status < 300:
-            count, message = rejected_profiles(answer)
-            if count:
-                self.rejected_profiles += count
-                log_once(
-                    "otlp-partial",
-                    f"spanprof: {self.url} rejected {count} profile(s): {message} (logged once)",
-                    exc_info=False,
-                )
+            self._partial_success(answer)
             return "ok", str(status), None
         if status in RETRYABLE_STATUSES:
             return "retry", f"HTTP {status}", retry_after(response.getheader("Retry-After"))
         return "reject", f"HTTP {status}", None
+
+    def _partial_success(self, answer: bytes) -> None:
+        count, message = rejected_profiles(answer)
+        if count:
+            self.rejected_profiles += count
+            log_once(
+                "otlp-partial",
+                f"spanprof: {self.url} rejected {count} profile(s): {message} (logged once)",
+                exc_info=False,
+            )
 
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is None:
