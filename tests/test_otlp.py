@@ -566,6 +566,33 @@ def test_fanout_bounds_a_stuck_exporters_backlog() -> None:
     assert fanout.dropped == 3
 
 
+def test_stop_all_flushes_exporters_side_by_side() -> None:
+    """Two exporters that each need 0.5 s to flush stop in about 0.5 s, not 1 s."""
+    from spanprof._profiling._exporters._fanout import WindowExporter, stop_all
+
+    stopped: list[str] = []
+
+    class Slow:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def start(self, collect: Callable[[], Window]) -> None:
+            return None
+
+        def stop(self) -> None:
+            time.sleep(0.5)
+            stopped.append(self.name)
+
+        def stats(self) -> dict[str, float]:
+            return {}
+
+    exporters: list[WindowExporter] = [Slow("a"), Slow("b")]
+    started = time.monotonic()
+    stop_all(exporters)
+    assert time.monotonic() - started < 0.9
+    assert sorted(stopped) == ["a", "b"]
+
+
 def test_backend_with_both_exporters_sends_every_sample_to_both(tmp_path: Path) -> None:
     """ExactBackend(exporters="pyroscope,otlp") ships the same samples to both endpoints."""
     import subprocess

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from .._labels._labelset import LabelSet
 from .._logging import logger
 from ._encoders._window import series_labels
-from ._exporters._fanout import WindowExporter, WindowFanout
+from ._exporters._fanout import WindowExporter, WindowFanout, stop_all
 from ._exporters._otlp import OtlpExporter, OtlpSettings
 from ._exporters._pusher import Pusher
 from ._pyroscope import PyroscopeBackend
@@ -296,8 +296,7 @@ class ExactBackend(WithPyroscopeSettings):
             self._exporters = []
             if sampler is not None:
                 sampler.stop()
-            for exporter in exporters:
-                exporter.stop()
+            stop_all(exporters)
             if sampler is not None and exporters:
                 self._last_stats = self._stats_of(sampler, exporters)
             if fallback is not None:
