@@ -24,6 +24,7 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 # Every Pyroscope agent variable set, as a deployment would: the backends read all of them.
 AGENT_ENV = {
+    "SPANPROF_PROFILER": "pyroscope",
     "PYROSCOPE_SERVER_ADDRESS": "http://pyroscope:4040/",
     "OTEL_SERVICE_NAME": "checkout",
     "PYROSCOPE_UPLOAD_INTERVAL": "15s",

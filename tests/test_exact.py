@@ -729,10 +729,13 @@ def test_bad_profiler_settings_name_the_variable(environ: dict[str, str], variab
 
 
 def test_profiler_from_env_selects_the_backend() -> None:
-    """pyroscope-io by default, the exact profiler with SPANPROF_PROFILER=exact."""
-    assert isinstance(profiler_from_env(AGENT_ENV), PyroscopeBackend)
+    """The exact profiler by default (auto) and with exact; pyroscope-io with pyroscope."""
+    default = profiler_from_env({k: v for k, v in AGENT_ENV.items() if k != "SPANPROF_PROFILER"})
+    assert isinstance(default, ExactBackend)
+    assert default.auto
     exact = profiler_from_env({**AGENT_ENV, "SPANPROF_PROFILER": " Exact "})
     assert isinstance(exact, ExactBackend)
+    assert not exact.auto
     assert isinstance(
         profiler_from_env({**AGENT_ENV, "SPANPROF_PROFILER": "pyroscope"}), PyroscopeBackend
     )

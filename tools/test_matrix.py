@@ -22,7 +22,9 @@ TEST_DEPS = [
     "pytest-timeout>=2.3",
     "anyio>=4.4",
     "httpx>=0.27",
+    "hypercorn>=0.17",
     "hypothesis>=6.100",
+    "trio>=0.25",
     "uvloop>=0.19",
     "uvicorn>=0.30",
 ]

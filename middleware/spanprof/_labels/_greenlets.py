@@ -17,6 +17,7 @@ spanprof's labels are carried over; other context variables keep gevent's semant
 from __future__ import annotations
 
 import contextvars
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,7 @@ from .._logging import log_once
 from ._engine import apply, check_native_thread_state
 from ._labelset import LABELS
 
-__all__ = ["install_greenlet_labels", "uninstall_greenlet_labels"]
+__all__ = ["greenlets_in_use", "install_greenlet_labels", "uninstall_greenlet_labels"]
 
 _Trace = Callable[[str, Any], Any]
 
@@ -71,8 +72,24 @@ def _inherit_labels(glet: Any) -> None:
         )
 
 
+def greenlets_in_use() -> bool:
+    """Whether requests here run in greenlets: gevent patched ``threading``, or the caller runs
+    in a greenlet other than its thread's main one (uWSGI's ``--gevent``, eventlet).
+
+    Only modules already imported are consulted: nothing is imported for this.
+    """
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("threading"):
+        return True
+    greenlet = sys.modules.get("greenlet")
+    return greenlet is not None and greenlet.getcurrent().parent is not None
+
+
 def install_greenlet_labels() -> None:
     """Keep profile labels exact across greenlet switches on the calling thread.
+
+    The middlewares call it themselves when their profiler starts in a process that runs
+    greenlets (``greenlets_in_use``); calling it explicitly stays possible and harmless.
 
     Call it in the thread that runs the greenlets (under gevent, the main thread of each worker;
     calling it in a gunicorn or uWSGI master before the fork also works, the hook survives

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import os
+import threading
+import weakref
 from collections.abc import Mapping
 from typing import Final, Literal
 
@@ -13,8 +15,15 @@ from ._pyroscope import PyroscopeBackend
 
 __all__ = ["FROM_ENV", "PROFILERS", "FromEnv", "choose_profiler", "profiler_from_env"]
 
-#: Values of ``SPANPROF_PROFILER``.
-PROFILERS = ("pyroscope", "exact")
+#: Values of ``SPANPROF_PROFILER``; the first is the default.
+PROFILERS = ("auto", "exact", "pyroscope")
+
+# One exact backend per configuration and process: two middlewares in one process (a Flask app
+# mounted in a FastAPI app, local mode's two services) share its one SIGPROF timer.
+_exact_backends: weakref.WeakValueDictionary[tuple[object, ...], ExactBackend] = (
+    weakref.WeakValueDictionary()
+)
+_exact_lock = threading.Lock()
 
 
 class FromEnv(enum.Enum):
@@ -35,27 +44,48 @@ FROM_ENV: Final[Literal[FromEnv.FROM_ENV]] = FromEnv.FROM_ENV
 def profiler_from_env(environ: Mapping[str, str] | None = None) -> ProfilerBackend | None:
     """The profiler ``SPANPROF_PROFILER`` names, configured from ``PYROSCOPE_*``, or ``None``.
 
-    ``pyroscope`` (default): ``PyroscopeBackend.from_env``; ``exact``: ``ExactBackend.from_env``.
-    Either is ``None`` when ``PYROSCOPE_SERVER_ADDRESS`` is unset (and no OTLP export is asked
-    for). OTLP profiles (``SPANPROF_PROFILES_EXPORTER`` with ``otlp``) come from the exact
-    profiler only: they make it the default, and contradict ``SPANPROF_PROFILER=pyroscope``.
+    ``auto`` (default): the exact sampler wherever it can be exact, pyroscope-io with the label
+    engine where it cannot (a threaded server, no main-thread event loop); ``exact``: the same,
+    but a fallback is a warning; ``pyroscope``: the pyroscope-io agent. ``None`` when
+    ``PYROSCOPE_SERVER_ADDRESS`` is unset (and no OTLP export is asked for). OTLP profiles
+    (``SPANPROF_PROFILES_EXPORTER`` with ``otlp``) come from the exact sampler only: they
+    contradict ``SPANPROF_PROFILER=pyroscope``.
     """
     env = os.environ if environ is None else environ
+    choice = env.get("SPANPROF_PROFILER", "").strip().lower() or PROFILERS[0]
     exporters = parse_exporters(
         "SPANPROF_PROFILES_EXPORTER", env.get("SPANPROF_PROFILES_EXPORTER", "") or "pyroscope"
     )
-    default = "exact" if "otlp" in exporters else "pyroscope"
-    choice = env.get("SPANPROF_PROFILER", "").strip().lower() or default
     if choice == "pyroscope" and "otlp" in exporters:
         raise ValueError(
-            "SPANPROF_PROFILES_EXPORTER: otlp needs SPANPROF_PROFILER=exact (pyroscope-io "
+            "SPANPROF_PROFILES_EXPORTER: otlp needs SPANPROF_PROFILER=auto or exact (pyroscope-io "
             "only pushes to Pyroscope)"
         )
     if choice == "pyroscope":
         return PyroscopeBackend.from_env(env)
-    if choice == "exact":
-        return ExactBackend.from_env(env)
+    if choice in ("auto", "exact"):
+        backend = ExactBackend.from_env(env, auto=choice == "auto")
+        return None if backend is None else _shared(backend)
     raise ValueError(f"SPANPROF_PROFILER={choice!r}: expected one of {', '.join(PROFILERS)}")
+
+
+def _shared(backend: ExactBackend) -> ExactBackend:
+    """The exact backend already made for the same configuration, else ``backend``."""
+    arguments = backend.settings.arguments()
+    key = (
+        *sorted((name, value) for name, value in arguments.items() if name != "tags"),
+        tuple(sorted(arguments["tags"].items())),
+        backend.clock,
+        backend.auto,
+        backend.exporters,
+        backend.otlp_settings,
+    )
+    with _exact_lock:
+        existing = _exact_backends.get(key)
+        if existing is not None:
+            return existing
+        _exact_backends[key] = backend
+        return backend
 
 
 def choose_profiler(

@@ -9,6 +9,7 @@ dashboards and Grafana's trace-to-profile links work unchanged.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -20,7 +21,7 @@ from ._exporters._fanout import WindowExporter, WindowFanout, stop_all
 from ._exporters._otlp import OtlpExporter, OtlpSettings
 from ._exporters._pusher import Pusher
 from ._pyroscope import PyroscopeBackend
-from ._samplers._signal import CLOCKS, Sampler, SamplerUnavailable
+from ._samplers._signal import CLOCKS, Sampler, SamplerUnavailable, os_thread_ident
 from ._settings import PyroscopeSettings, WithPyroscopeSettings
 
 __all__ = ["EXPORTERS", "ExactBackend", "parse_exporters"]
@@ -86,6 +87,8 @@ class ExactBackend(WithPyroscopeSettings):
         exporters: ``"pyroscope"`` (default), ``"otlp"`` or ``"pyroscope,otlp"``. The OTLP
             exporter reads ``OTEL_EXPORTER_OTLP_[PROFILES_]*`` here (``OtlpSettings``) and sends
             the traces' resource; ``server_address`` may be empty without ``pyroscope``.
+        auto: chosen by ``SPANPROF_PROFILER=auto`` (the default) rather than asked for: the
+            start-up line saying which profiler runs, fallback included, is INFO, not WARNING.
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class ExactBackend(WithPyroscopeSettings):
         basic_auth_password: str = "",
         tags: Mapping[str, str] | None = None,
         clock: str = "cpu",
+        auto: bool = False,
         exporters: str | Sequence[str] = "pyroscope",
     ) -> None:
         self.exporters = parse_exporters("exporters", exporters)
@@ -119,6 +123,7 @@ class ExactBackend(WithPyroscopeSettings):
         if clock not in CLOCKS:
             raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {clock!r}")
         self.clock = clock
+        self.auto = auto
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._sampler: Sampler | None = None
@@ -129,11 +134,19 @@ class ExactBackend(WithPyroscopeSettings):
         self._sink = _ignore
         # The thread whose labels the sampler reads itself (0: none, e.g. in fallback mode).
         self._context_thread = 0
+        self._ident = os_thread_ident()
         self._atexit_registered = False
         self._last_stats: dict[str, float] = {}
 
+    @property
+    def otlp_settings(self) -> OtlpSettings | None:
+        """Where OTLP profiles go (``None`` without the ``otlp`` exporter)."""
+        return self._otlp
+
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> ExactBackend | None:
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, auto: bool = False
+    ) -> ExactBackend | None:
         """A backend configured from the same variables as ``PyroscopeBackend.from_env``.
 
         ``PYROSCOPE_SERVER_ADDRESS`` (unset: ``None``), ``PYROSCOPE_APPLICATION_NAME`` (default
@@ -160,7 +173,7 @@ class ExactBackend(WithPyroscopeSettings):
             raise ValueError(
                 f"SPANPROF_PROFILE_CLOCK={clock!r}: expected one of {', '.join(CLOCKS)}"
             )
-        backend = cls(**settings.arguments(), clock=clock)
+        backend = cls(**settings.arguments(), clock=clock, auto=auto)
         backend.exporters, backend._otlp = exporters, otlp
         return backend
 
@@ -224,15 +237,19 @@ class ExactBackend(WithPyroscopeSettings):
             except SamplerUnavailable as exc:
                 if "pyroscope" not in self.exporters:
                     logger.warning(
-                        "spanprof: the exact profiler cannot run in this process: %s. The OTLP "
-                        "exporter needs it: no profiles are sent",
+                        "spanprof: the exact sampler cannot run in this process (pid %d): %s. "
+                        "The OTLP exporter needs it: no profiles are sent",
+                        pid,
                         exc,
                     )
                     return
-                logger.warning(
-                    "spanprof: the exact profiler cannot run in this process: %s. Falling back "
-                    "to pyroscope-io with the label engine; its samples may carry the labels of "
-                    "whatever ran ~0.2 ms after the stack was read",
+                logger.log(
+                    logging.INFO if self.auto else logging.WARNING,
+                    "spanprof: profiling with pyroscope-io and the label engine (pid %d): the "
+                    "exact sampler cannot run here, %s. Its samples may carry the labels of "
+                    "whatever ran ~0.2 ms after the stack was read; serve requests from an event "
+                    "loop, gevent or a sync worker in the main thread to profile them exactly",
+                    pid,
                     exc,
                 )
                 fallback = PyroscopeBackend(**self._settings.arguments())
@@ -246,8 +263,16 @@ class ExactBackend(WithPyroscopeSettings):
                     exporter.start(fanout.collector(i))
                 self._sampler, self._exporters = sampler, exporters
                 self._sink = sampler.set_thread_labels
-                self._context_thread = threading.get_ident()
-                logger.debug("spanprof: exact profiler started (pid %d)", pid)
+                self._ident = sampler.ident
+                self._context_thread = self._ident()
+                logger.info(
+                    "spanprof: profiling with the exact sampler (pid %d, %s): stack and labels "
+                    "read at one instant in the main thread%s; exporting to %s",
+                    pid,
+                    f"SPANPROF_PROFILER={'auto' if self.auto else 'exact'}",
+                    "" if self.clock == "cpu" else ", wall clock",
+                    " and ".join(self.exporters),
+                )
             self._pid = pid
             if not self._atexit_registered:
                 # Like pyroscope-io: the last window is sent even without a lifespan shutdown.
@@ -306,5 +331,5 @@ class ExactBackend(WithPyroscopeSettings):
         """The calling thread switched labels (thread-pool job start or end, mostly)."""
         # The sampler reads the main thread's labels from its context: skip its pushes here,
         # before any further call (the middleware pushes twice per request).
-        if threading.get_ident() != self._context_thread:
+        if self._ident() != self._context_thread:
             self._sink(previous, current)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from .._labels._backend import ProfilerBackend
 from .._labels._engine import install_label_engine, installed_backend, uninstall_label_engine
+from .._labels._greenlets import greenlets_in_use, install_greenlet_labels
 from .._logging import log_once
 
 __all__ = ["SHUTDOWN_TIMEOUT_SECONDS", "ProfilerRuntime", "stop_started"]
@@ -75,6 +76,7 @@ class ProfilerRuntime:
             else:
                 install_label_engine(backend)
                 _started.add(self)
+                _follow_greenlets()
             finally:
                 # Set last: until the engine feeds the backend, other threads' first requests
                 # wait in ensure_started() instead of setting labels nobody pushes.
@@ -99,6 +101,20 @@ class ProfilerRuntime:
                 "(profile endpoint unreachable?); shutting down without it",
                 exc_info=False,
             )
+
+
+def _follow_greenlets() -> None:
+    # Greenlets switch requests on one OS thread without the engine seeing it: follow the
+    # switches (and let spawned greenlets inherit labels) with no call needed from the app.
+    try:
+        if greenlets_in_use():
+            install_greenlet_labels()
+    except Exception:
+        log_once(
+            "greenlet-labels",
+            "spanprof: could not follow greenlet switches; requests served by greenlets may "
+            "carry each other's labels (logged once)",
+        )
 
 
 def _call_with_timeout(call: Callable[[], None], timeout: float) -> bool:

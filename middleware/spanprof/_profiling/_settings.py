@@ -105,6 +105,11 @@ class WithPyroscopeSettings:
     _settings: PyroscopeSettings
 
     @property
+    def settings(self) -> PyroscopeSettings:
+        """All of them, as one frozen value."""
+        return self._settings
+
+    @property
     def server_address(self) -> str:
         return self._settings.server_address
 

@@ -20,8 +20,14 @@ from .._labels._labelset import LABELS, LabelSet
 from .._logging import log_once
 from .._types import ASGIApp, Message, Receive, Scope, Send
 from ._options import MiddlewareSettings, ProfilingOptions
-from ._routes import UNMATCHED, known_method, span_name, starlette_route_template
-from ._spanlabels import annotate_span, is_server_span, request_labels
+from ._routes import (
+    UNMATCHED,
+    fastapi_telemetry_naming,
+    known_method,
+    span_name,
+    starlette_route_template,
+)
+from ._spanlabels import annotate_span, is_labelled_span, is_server_span, request_labels
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -189,11 +195,11 @@ class ProfilingMiddleware:
         """The backend this middleware starts and stops."""
         return self._runtime.backend
 
-    def _template(self, scope: Scope) -> str | None:
+    def _template(self, scope: Scope, fastapi_prefix: str | None = None) -> str | None:
         try:
             if self._resolve is not None:
                 return self._resolve(scope)
-            return starlette_route_template(scope, self.app)
+            return starlette_route_template(scope, self.app, fastapi_prefix=fastapi_prefix)
         except Exception:
             log_once(
                 "route-resolver",
@@ -223,11 +229,28 @@ class ProfilingMiddleware:
             return
         self._runtime.ensure_started()
         attach_loop()
-        template = self._template(scope)
-        method = scope.get("method", "") if kind == "http" else "WEBSOCKET"
-        name = span_name(method, template if template is not None else UNMATCHED)
         current = trace.get_current_span()
         reused = is_server_span(current)
+        if reused and is_labelled_span(current):
+            # An outer spanprof layer owns this request (this app is mounted in its app): it
+            # keeps its name, labels and duration; renaming it to this app's template is wrong.
+            await self.app(scope, receive, send)
+            return
+        method = scope.get("method", "") if kind == "http" else "WEBSOCKET"
+        # Inside FastAPI's own telemetry, its server span is the request's: FastAPI renames it
+        # when its router picks the route, so the request is named the way FastAPI names it.
+        fastapi = fastapi_telemetry_naming(scope, current) if reused else None
+        if fastapi is None:
+            template = self._template(scope)
+            name = span_name(method, template if template is not None else UNMATCHED)
+        else:
+            template = self._template(scope, fastapi[1])
+            name = f"{fastapi[0]} {template if template is not None else UNMATCHED}"
+        if "fastapi.telemetry" not in scope:
+            # This request has its server span (spanprof's, or the one reused here): a FastAPI
+            # app below must not open a second one, in a trace of its own. FastAPI's own mark
+            # for "not mine to trace", as it sets for its excluded requests.
+            scope["fastapi.telemetry"] = None
         if reused and template is not None and current.is_recording():
             # FastAPIInstrumentor or opentelemetry-instrument already opened the server span.
             current.update_name(name)

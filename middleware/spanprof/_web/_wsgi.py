@@ -40,7 +40,7 @@ from .._logging import log_once
 from .._version import __version__
 from ._options import MiddlewareSettings, ProfilingOptions
 from ._routes import UNMATCHED, known_method, span_name
-from ._spanlabels import annotate_span, is_server_span, request_labels
+from ._spanlabels import annotate_span, is_labelled_span, is_server_span, request_labels
 from ._wsgi_routes import WSGIRouteResolver, default_route_resolver
 
 if TYPE_CHECKING:
@@ -129,6 +129,11 @@ class WSGIProfilingMiddleware:
         # The first request of each process, after any fork, starts the profiler.
         self._runtime.ensure_started()
         if self._excluded is not None and self._excluded.url_disabled(_request_url(environ)):
+            return self.app(environ, start_response)
+        current = trace.get_current_span()
+        if is_server_span(current) and is_labelled_span(current):
+            # An outer spanprof layer (ASGI or WSGI) owns this request: it keeps its name,
+            # labels and duration.
             return self.app(environ, start_response)
         return self._begin(environ).run(self.app, environ, start_response)
 

@@ -32,6 +32,7 @@ from ..._logging import log_once
 from ..._version import __version__
 from .._encoders._push import PUSH_CONTENT_TYPE, PUSH_PATH, encode_push_request
 from .._encoders._window import WindowEncoder
+from .._samplers._signal import in_main_os_thread
 from .._window import Window
 
 __all__ = ["Pusher"]
@@ -164,7 +165,9 @@ class Pusher:
     # --- the upload thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        if self._block_signals:
+        # Under gevent this "thread" is a greenlet of the main thread, where the sampler's
+        # signal must stay deliverable.
+        if self._block_signals and not in_main_os_thread():
             signal.pthread_sigmask(signal.SIG_BLOCK, self._block_signals)
         next_upload = time.monotonic() + self.upload_interval
         while True:

@@ -40,9 +40,11 @@ Every table the handler writes is interned as it goes (frame ids, stack ids, one
 
 from __future__ import annotations
 
+import _thread
 import collections
 import functools
 import gc
+import os
 import random
 import signal
 import sys
@@ -61,6 +63,8 @@ __all__ = [
     "Sampler",
     "SamplerUnavailable",
     "SignalInUse",
+    "in_main_os_thread",
+    "os_thread_ident",
     "signal_for",
     "thread_cpu_clock",
     "unavailable_reason",
@@ -117,6 +121,29 @@ def thread_cpu_clock(native_id: int) -> int:
     return ((~native_id) << 3) | 6
 
 
+def os_thread_ident() -> Callable[[], int]:
+    """The function that tells the calling OS thread's ident (``sys._current_frames`` keys).
+
+    gevent's monkey patching turns ``threading.get_ident`` into the current greenlet's id; every
+    greenlet of a worker runs in one OS thread, the one the signal handler runs in.
+    """
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None:
+        original: Callable[[], int] = monkey.get_original("_thread", "get_ident")
+        return original
+    return _thread.get_ident
+
+
+def in_main_os_thread() -> bool:
+    """Whether the caller runs in the process's main OS thread, where signal handlers run.
+
+    Asked of the OS (on Linux the main thread's TID is the pid): under gevent a greenlet of the
+    main thread is a ``DummyThread`` to ``threading``, and CPython < 3.13 keeps the parent's
+    ``main_thread().native_id`` after a fork.
+    """
+    return threading.get_native_id() == os.getpid()
+
+
 def unavailable_reason() -> str | None:
     """Why the calling thread cannot start an exact sampler here, or ``None`` if it can."""
     if not sys.platform.startswith("linux"):
@@ -124,7 +151,7 @@ def unavailable_reason() -> str | None:
     is_gil_enabled: Callable[[], bool] | None = getattr(sys, "_is_gil_enabled", None)
     if is_gil_enabled is not None and not is_gil_enabled():
         return "it needs the GIL to read stacks and labels at one instant (free-threaded build)"
-    if threading.current_thread() is not threading.main_thread():
+    if not in_main_os_thread():
         return (
             "it must start in the main thread, where Python runs signal handlers, but it was "
             f"started in thread {threading.current_thread().name!r} (an event loop outside the "
@@ -261,6 +288,7 @@ class Sampler:
         self._busy = False
         self._previous_handler: Any = signal.SIG_DFL
         self._main_ident = 0
+        self._ident: Callable[[], int] = _thread.get_ident
         self._main_last = 0
         self._main_sample: tuple[int, LabelSet, StackTables, int] | None = None
         self._blocking: dict[int, CodeType] = {}
@@ -306,6 +334,11 @@ class Sampler:
     # --- lifecycle (main thread) ----------------------------------------------------------------
 
     @property
+    def ident(self) -> Callable[[], int]:
+        """How this sampler tells threads apart (the OS thread's ident, whatever gevent patched)."""
+        return self._ident
+
+    @property
     def running(self) -> bool:
         """Whether the timer is armed."""
         return self._running
@@ -334,7 +367,8 @@ class Sampler:
                 f"spanprof's exact profiler needs the {name} interval timer, but it is already "
                 "armed by someone else; use SPANPROF_PROFILER=pyroscope"
             )
-        self._main_ident = threading.get_ident()
+        self._ident = os_thread_ident()
+        self._main_ident = self._ident()
         # A restart begins like the label engine's install: every thread from empty labels.
         self._labels.clear()
         self._versions.clear()
@@ -365,7 +399,7 @@ class Sampler:
             self._drain_boundaries(self._window)
         finally:
             self._busy = False
-        if threading.current_thread() is threading.main_thread():
+        if in_main_os_thread():
             # SIG_IGN first discards a signal generated before the timer was disarmed, which the
             # default action (terminate) would otherwise turn into a crash.
             signal.signal(self.signum, signal.SIG_IGN)
@@ -378,7 +412,7 @@ class Sampler:
 
         The main thread is skipped: its labels are read from its context at sample time.
         """
-        ident = threading.get_ident()
+        ident = self._ident()
         if ident == self._main_ident:
             return
         local = self._local
@@ -401,7 +435,9 @@ class Sampler:
         # The timer's signal goes to any thread that does not block it; blocked here, it goes
         # to the main thread, waking an idle event loop (EINTR) to take the sample at once
         # instead of whenever the loop next wakes, and sparing this thread's system calls.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})
+        # (Never in the main thread itself: a gevent "thread" is a greenlet of it.)
+        if not in_main_os_thread():
+            signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})
         local.clock = thread_cpu_clock(threading.get_native_id())
         local.ready = True
 
