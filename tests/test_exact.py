@@ -625,7 +625,7 @@ def test_exact_backend_falls_back_to_pyroscope_outside_the_main_thread(tmp_path:
         samples = [s for s in receiver.samples() if s.has_function("burn_request_09")]
     assert "mode pyroscope True" in proc.stdout
     assert "loop-thread" in proc.stderr
-    assert "Falling back to pyroscope-io" in proc.stderr
+    assert "profiling with pyroscope-io and the label engine" in proc.stderr
     assert pushes
     assert all(p.user_agent.startswith("pyroscope-rs") for p in pushes)
     assert any(s.label_values("span_id") == ("00000000000000aa",) for s in samples)

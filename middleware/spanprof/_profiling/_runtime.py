@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .._labels._backend import ProfilerBackend
 from .._labels._engine import install_label_engine, installed_backend, uninstall_label_engine
@@ -61,7 +63,7 @@ class ProfilerRuntime:
         backend = self.backend
         if backend is None:
             return
-        with self._lock:
+        with _cooperatively(self._lock):
             pid = os.getpid()
             if self._pid == pid:
                 return
@@ -87,7 +89,7 @@ class ProfilerRuntime:
         backend = self.backend
         if backend is None:
             return
-        with self._lock:
+        with _cooperatively(self._lock):
             if self._pid != os.getpid():
                 return
             self._pid = None
@@ -101,6 +103,24 @@ class ProfilerRuntime:
                 "(profile endpoint unreachable?); shutting down without it",
                 exc_info=False,
             )
+
+
+@contextlib.contextmanager
+def _cooperatively(lock: threading.Lock) -> Iterator[None]:
+    """Hold ``lock``, waiting for it in short sleeps rather than one blocking acquire.
+
+    Under gevent with a preloaded app the lock was made before monkey patching: a real OS lock,
+    shared by every greenlet of the worker's one thread. The first request holds it while the
+    backend starts and yields (its upload "thread" is a greenlet); a second request blocking on
+    it would block that thread, and with it the first request, for good. ``time.sleep`` yields
+    to other greenlets there, and costs a thread a millisecond at most, once per process.
+    """
+    while not lock.acquire(blocking=False):
+        time.sleep(0.001)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _follow_greenlets() -> None:
