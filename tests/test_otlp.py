@@ -324,6 +324,24 @@ def test_exporters_option_and_variable() -> None:
     assert ExactBackend.from_env({}) is None
 
 
+def test_backend_constructed_directly_reads_the_otel_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ExactBackend(exporters="otlp") reads OTEL_EXPORTER_OTLP_* like an OTel exporter would,
+    and a bad one fails right there."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    backend = ExactBackend(exporters="otlp")
+    assert backend.otlp_settings is not None
+    assert backend.otlp_settings.endpoint == "http://collector:4318/v1development/profiles"
+    assert ExactBackend(server_address="http://p:4040", application_name="a").otlp_settings is None
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TIMEOUT"):
+        ExactBackend(exporters=["otlp"])
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TIMEOUT")
+    with pytest.raises(ValueError, match="server_address"):
+        ExactBackend(exporters="pyroscope,otlp")
+
+
 # --- the exporter --------------------------------------------------------------------------------
 
 
