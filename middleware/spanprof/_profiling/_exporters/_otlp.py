@@ -39,6 +39,7 @@ from .._encoders._otlp import (
     encode_scope,
 )
 from .._encoders._protowire import ProtoDecodeError, as_bytes, as_int, as_str, iter_fields
+from .._samplers._signal import in_main_os_thread
 from .._window import Window
 from ._otlp_grpc import GrpcTransport, grpc_available
 
@@ -374,7 +375,9 @@ class OtlpExporter:
     # --- the export thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        if self._block_signals:
+        # Under gevent this "thread" is a greenlet of the main thread, where the sampler's
+        # signal must stay deliverable.
+        if self._block_signals and not in_main_os_thread():
             signal.pthread_sigmask(signal.SIG_BLOCK, self._block_signals)
         next_upload = time.monotonic() + self.upload_interval
         while True:
