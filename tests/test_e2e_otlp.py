@@ -203,3 +203,60 @@ def test_requests_are_unaffected_whatever_the_otlp_endpoint_does(mode: str, tmp_
         assert "dropped OTLP profile windows" in log, log[-2000:]
     # The flush never holds shutdown hostage (2 s flush budget, 1 s timeouts).
     assert stopped_after < 15, f"shutdown took {stopped_after:.1f} s"
+
+
+@pytest.mark.parametrize("name", ["gevent-preload-defaults", "sync-defaults"])
+def test_otlp_profiles_from_gunicorn_workers(name: str, tmp_path: Path) -> None:
+    """Under gunicorn's gevent and sync workers (the exporter a greenlet, or a thread, of each
+    forked worker) OTLP samples link to their spans as exactly as the push's do."""
+    import importlib.util
+    import shutil
+    import signal
+
+    from .test_e2e_gunicorn import SETUPS
+    from .test_e2e_gunicorn import _argv as gunicorn_argv
+    from .test_e2e_gunicorn import _fire as fire_burns
+
+    setup = SETUPS[name]
+    require(
+        shutil.which("gunicorn", path=str(Path(sys.executable).parent)) is not None,
+        "gunicorn is not installed",
+    )
+    if "E2E_GREENLETS" in setup.env:
+        require(importlib.util.find_spec("gevent") is not None, "gevent is not installed")
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with OtlpProfilesReceiver() as receiver:
+        env = {
+            **_env(receiver.url),
+            "OTEL_SERVICE_NAME": "e2e-otlp-wsgi",
+            **setup.env,
+        }
+        del env["SPANPROF_PROFILER"]  # the default, auto
+        with serve(
+            gunicorn_argv(setup, port),
+            health_url=f"http://127.0.0.1:{port}/health",
+            env=env,
+            log_path=log_path,
+            stop_signal=signal.SIGTERM,
+        ):
+            reports = asyncio.run(fire_burns(f"http://127.0.0.1:{port}", ""))
+        requests = receiver.requests()
+        samples = receiver.samples()
+        assert receiver.errors == []
+    log = log_path.read_text()
+    assert "Traceback" not in log, log
+    assert "profiling with the exact sampler" in log, log
+    assert {resource_attributes(r)["service.name"] for r in requests} == {"e2e-otlp-wsgi"}
+    expected = {}
+    for index, report in enumerate(reports):
+        labels = report["labels"]
+        assert isinstance(labels, dict)
+        expected[index] = labels
+    assert len({str(report["pid"]) for report in reports}) == 2
+    result = attribute(samples, expected)
+    print(name, result.summary())
+    assert len(result.per_request) == CONCURRENCY, result.summary()
+    assert result.exact_share >= 0.99, result.summary()
+    assert result.double_span == 0, result.summary()
+    assert result.background_labelled == 0, result.summary()
