@@ -24,6 +24,7 @@ from . import (
     bench_exemplar,
     bench_faults,
     bench_instructions,
+    bench_otlp,
     bench_request,
     bench_servers,
 )
@@ -37,6 +38,7 @@ BENCHMARKS: dict[str, Callable[[bool], Section]] = {
     "exemplar": bench_exemplar.run,
     "faults": bench_faults.run,
     "exact": bench_exact.run,
+    "otlp": bench_otlp.run,
     "accuracy": bench_accuracy.run,
     "servers": bench_servers.run,
     "instructions": bench_instructions.run,

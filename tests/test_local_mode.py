@@ -639,6 +639,9 @@ def test_local_mode_sets_and_restores_the_environment() -> None:
     with local:
         page = local.ui_url
         assert env["PYROSCOPE_SERVER_ADDRESS"] == local.receiver.url
+        assert env["OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT"] == (
+            local.receiver.url + "/v1development/profiles"
+        )
         assert env["PYROSCOPE_UPLOAD_INTERVAL"] == "1"
         assert env["PYROSCOPE_APPLICATION_NAME"] == "spanprof-dev"
         assert policy_from(env).default == 0.3

@@ -10,7 +10,9 @@ and trio (hypercorn ``--worker-class trio``).
 Unlabelled CPU burns meanwhile in a lifespan task and in a plain thread (``E2E_BACKGROUND=0``
 turns that off, for throughput runs against ``/health``).
 
-The profiler comes from ``SPANPROF_PROFILER`` and the ``PYROSCOPE_*`` environment.
+The profiler comes from ``SPANPROF_PROFILER`` and the ``PYROSCOPE_*`` environment (and
+``SPANPROF_PROFILES_EXPORTER``, ``OTEL_EXPORTER_OTLP_*`` for OTLP profiles). ``/stats`` also says
+the traces' ``service.name``.
 """
 
 from __future__ import annotations
@@ -124,8 +126,14 @@ async def health(request: Request) -> Response:
 async def stats(request: Request) -> Response:
     profiler = app.profiler
     read: Callable[[], dict[str, float]] | None = getattr(profiler, "stats", None)
+    resource = getattr(trace.get_tracer_provider(), "resource", None)
+    service_name = resource.attributes.get("service.name") if resource is not None else None
     return JSONResponse(
-        {"mode": getattr(profiler, "mode", "pyroscope"), **(read() if read else {})}
+        {
+            "mode": getattr(profiler, "mode", "pyroscope"),
+            "service_name": service_name,
+            **(read() if read else {}),
+        }
     )
 
 

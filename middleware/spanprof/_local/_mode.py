@@ -152,6 +152,8 @@ class LocalMode:
         self._started_at = time.monotonic()
         env = {
             "PYROSCOPE_SERVER_ADDRESS": self.receiver.url,
+            # Used when the app exports OTLP profiles (SPANPROF_PROFILES_EXPORTER=otlp).
+            "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT": self.receiver.url + "/v1development/profiles",
             "PYROSCOPE_UPLOAD_INTERVAL": str(UPLOAD_INTERVAL_SECONDS),
             **policy_env(self.policy),
         }

@@ -2,18 +2,22 @@
 
 ``PushReceiver`` speaks just enough of the Pyroscope server's HTTP surface for
 pyroscope-io (and spanprof's own pusher) to upload to it: the Connect unary
-``push.v1.PusherService/Push`` RPC. It decodes every upload into spanprof's pprof
-model and keeps it in memory, for tests and for the embedded local UI.
+``push.v1.PusherService/Push`` RPC, and OTLP profiles over HTTP
+(``POST /v1development/profiles``, converted the way Pyroscope ingests them). It decodes
+every upload into spanprof's pprof model and keeps it in memory, for tests and for the
+embedded local UI.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import socket
 import threading
 import time
 import traceback
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,6 +25,7 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
+from .._profiling._encoders._otlp import decode_export_request
 from .._profiling._encoders._protowire import ProtoDecodeError
 from .._profiling._encoders._push import PUSH_PATH, PushSeries, decode_push_request
 from .._profiling._window import Frame
@@ -29,6 +34,8 @@ __all__ = ["PushReceiver", "ReceivedPush", "ReceivedSample"]
 
 #: The legacy (pre-v1) Pyroscope ingest path; accepted and ignored.
 _INGEST_PATH = "/ingest"
+#: OTLP profiles over HTTP (``http/protobuf``).
+_OTLP_PATH = "/v1development/profiles"
 _PROTO_CONTENT_TYPES = frozenset(
     {"", "application/proto", "application/protobuf", "application/x-protobuf"}
 )
@@ -133,6 +140,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if path == PUSH_PATH:
             self._push(body)
+        elif path == _OTLP_PATH:
+            self._otlp(body)
         elif path == _INGEST_PATH:
             self._reply(200, b"", "text/plain")
         else:
@@ -161,6 +170,30 @@ class _Handler(BaseHTTPRequestHandler):
         )
         # An empty serialized PushResponse, as the Pyroscope server (connect-go) answers.
         self._reply(200, b"", "application/proto")
+
+    def _otlp(self, body: bytes) -> None:
+        receiver = self.server.receiver
+        content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        if content_type not in ("application/x-protobuf", "application/protobuf"):
+            receiver._record_error(f"unsupported OTLP Content-Type {content_type!r}")
+            self._reply(415, b"", "text/plain")
+            return
+        encoding = (self.headers.get("Content-Encoding") or "").strip().lower()
+        try:
+            if encoding == "gzip":
+                body = gzip.decompress(body)
+            elif encoding not in ("", "identity"):
+                raise ProtoDecodeError(f"unsupported Content-Encoding {encoding!r}")
+            series = decode_export_request(body)
+        except (ProtoDecodeError, OSError, EOFError, zlib.error) as exc:
+            receiver._record_error(f"undecodable OTLP profiles: {exc}")
+            self._reply(400, str(exc).encode(), "text/plain; charset=utf-8")
+            return
+        receiver._record_push(
+            ReceivedPush(time.time(), self.headers.get("User-Agent") or "", tuple(series))
+        )
+        # An empty ExportProfilesServiceResponse: everything accepted.
+        self._reply(200, b"", "application/x-protobuf")
 
     def _read_body(self, limit: int) -> bytes:
         if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():

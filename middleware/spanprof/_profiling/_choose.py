@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Final, Literal
 
 from .._labels._backend import ProfilerBackend
-from ._exact import ExactBackend
+from ._exact import ExactBackend, parse_exporters
 from ._pyroscope import PyroscopeBackend
 
 __all__ = ["FROM_ENV", "PROFILERS", "FromEnv", "choose_profiler", "profiler_from_env"]
@@ -47,10 +47,20 @@ def profiler_from_env(environ: Mapping[str, str] | None = None) -> ProfilerBacke
     ``auto`` (default): the exact sampler wherever it can be exact, pyroscope-io with the label
     engine where it cannot (a threaded server, no main-thread event loop); ``exact``: the same,
     but a fallback is a warning; ``pyroscope``: the pyroscope-io agent. ``None`` when
-    ``PYROSCOPE_SERVER_ADDRESS`` is unset.
+    ``PYROSCOPE_SERVER_ADDRESS`` is unset (and no OTLP export is asked for). OTLP profiles
+    (``SPANPROF_PROFILES_EXPORTER`` with ``otlp``) come from the exact sampler only: they
+    contradict ``SPANPROF_PROFILER=pyroscope``.
     """
     env = os.environ if environ is None else environ
     choice = env.get("SPANPROF_PROFILER", "").strip().lower() or PROFILERS[0]
+    exporters = parse_exporters(
+        "SPANPROF_PROFILES_EXPORTER", env.get("SPANPROF_PROFILES_EXPORTER", "") or "pyroscope"
+    )
+    if choice == "pyroscope" and "otlp" in exporters:
+        raise ValueError(
+            "SPANPROF_PROFILES_EXPORTER: otlp needs SPANPROF_PROFILER=auto or exact (pyroscope-io "
+            "only pushes to Pyroscope)"
+        )
     if choice == "pyroscope":
         return PyroscopeBackend.from_env(env)
     if choice in ("auto", "exact"):
@@ -67,6 +77,8 @@ def _shared(backend: ExactBackend) -> ExactBackend:
         tuple(sorted(arguments["tags"].items())),
         backend.clock,
         backend.auto,
+        backend.exporters,
+        backend.otlp_settings,
     )
     with _exact_lock:
         existing = _exact_backends.get(key)

@@ -12,17 +12,35 @@ import atexit
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from .._labels._labelset import LabelSet
 from .._logging import logger
 from ._encoders._window import series_labels
+from ._exporters._fanout import WindowExporter, WindowFanout, stop_all
+from ._exporters._otlp import OtlpExporter, OtlpSettings
 from ._exporters._pusher import Pusher
 from ._pyroscope import PyroscopeBackend
 from ._samplers._signal import CLOCKS, Sampler, SamplerUnavailable, os_thread_ident
 from ._settings import PyroscopeSettings, WithPyroscopeSettings
 
-__all__ = ["ExactBackend"]
+__all__ = ["EXPORTERS", "ExactBackend", "parse_exporters"]
+
+#: Values of ``SPANPROF_PROFILES_EXPORTER`` / ``exporters=``, comma-separated.
+EXPORTERS = ("pyroscope", "otlp")
+# server_address is not used without the pyroscope exporter; settings still need a valid one.
+_UNUSED_ADDRESS = "http://localhost:4040"
+
+
+def parse_exporters(name: str, value: str | Sequence[str]) -> tuple[str, ...]:
+    """``pyroscope``, ``otlp`` or both (``pyroscope,otlp``), in that order, without repeats."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    chosen = {item.strip().lower() for item in items if item.strip()}
+    if not chosen or not chosen <= set(EXPORTERS):
+        raise ValueError(
+            f"{name}={value!r}: expected {', '.join(EXPORTERS)} or both, comma-separated"
+        )
+    return tuple(e for e in EXPORTERS if e in chosen)
 
 
 def _ignore(previous: LabelSet, current: LabelSet) -> None:
@@ -38,7 +56,9 @@ class ExactBackend(WithPyroscopeSettings):
     work's labels as the label engine recorded them when the job started. Samples weigh the CPU
     each thread used; threads waiting on a lock, a queue or a socket are not counted as running.
     Uploads go to ``{server_address}/push.v1.PusherService/Push`` every ``upload_interval``
-    seconds, exactly like pyroscope-io's, from a background thread that encodes in slices of
+    seconds, exactly like pyroscope-io's (and/or, with ``exporters="otlp"``, as OTLP profiles
+    whose samples link to their spans, to the endpoint the ``OTEL_EXPORTER_OTLP_*`` variables
+    name), from a background thread that encodes in slices of
     under a millisecond, retries with back-off and drops (and counts) windows the server never
     took; ``shutdown()`` flushes the last one.
 
@@ -64,6 +84,9 @@ class ExactBackend(WithPyroscopeSettings):
         tags: static labels on every sample of this process.
         clock: ``"cpu"`` (default: on-CPU samples) or ``"wall"`` (every thread, waiting
             included, weighted by wall time; uses ``SIGALRM``).
+        exporters: ``"pyroscope"`` (default), ``"otlp"`` or ``"pyroscope,otlp"``. The OTLP
+            exporter reads ``OTEL_EXPORTER_OTLP_[PROFILES_]*`` here (``OtlpSettings``) and sends
+            the traces' resource; ``server_address`` may be empty without ``pyroscope``.
         auto: chosen by ``SPANPROF_PROFILER=auto`` (the default) rather than asked for: the
             start-up line saying which profiler runs, fallback included, is INFO, not WARNING.
     """
@@ -71,8 +94,8 @@ class ExactBackend(WithPyroscopeSettings):
     def __init__(
         self,
         *,
-        server_address: str,
-        application_name: str,
+        server_address: str = "",
+        application_name: str = "python-app",
         upload_interval: int = 10,
         sample_rate: int = 100,
         tenant_id: str = "",
@@ -81,7 +104,12 @@ class ExactBackend(WithPyroscopeSettings):
         tags: Mapping[str, str] | None = None,
         clock: str = "cpu",
         auto: bool = False,
+        exporters: str | Sequence[str] = "pyroscope",
     ) -> None:
+        self.exporters = parse_exporters("exporters", exporters)
+        if not server_address and "pyroscope" not in self.exporters:
+            server_address = _UNUSED_ADDRESS
+        self._otlp = OtlpSettings.from_env() if "otlp" in self.exporters else None
         self._settings = PyroscopeSettings(
             server_address=server_address,
             application_name=application_name,
@@ -101,7 +129,7 @@ class ExactBackend(WithPyroscopeSettings):
         self._sampler: Sampler | None = None
         self._idle_sampler: Sampler | None = None
         self._idle_pid: int | None = None
-        self._pusher: Pusher | None = None
+        self._exporters: list[WindowExporter] = []
         self._fallback: PyroscopeBackend | None = None
         self._sink = _ignore
         # The thread whose labels the sampler reads itself (0: none, e.g. in fallback mode).
@@ -109,6 +137,11 @@ class ExactBackend(WithPyroscopeSettings):
         self._ident = os_thread_ident()
         self._atexit_registered = False
         self._last_stats: dict[str, float] = {}
+
+    @property
+    def otlp_settings(self) -> OtlpSettings | None:
+        """Where OTLP profiles go (``None`` without the ``otlp`` exporter)."""
+        return self._otlp
 
     @classmethod
     def from_env(
@@ -119,10 +152,18 @@ class ExactBackend(WithPyroscopeSettings):
         ``PYROSCOPE_SERVER_ADDRESS`` (unset: ``None``), ``PYROSCOPE_APPLICATION_NAME`` (default
         ``OTEL_SERVICE_NAME``), ``PYROSCOPE_UPLOAD_INTERVAL``, ``PYROSCOPE_SAMPLE_RATE``,
         ``PYROSCOPE_TENANT_ID``, ``PYROSCOPE_BASIC_AUTH_USER``, ``PYROSCOPE_BASIC_AUTH_PASSWORD``,
-        ``PYROSCOPE_LABELS``, plus ``SPANPROF_PROFILE_CLOCK`` (``cpu`` or ``wall``). A bad value
-        raises ``ValueError`` naming the variable.
+        ``PYROSCOPE_LABELS``, plus ``SPANPROF_PROFILE_CLOCK`` (``cpu`` or ``wall``) and
+        ``SPANPROF_PROFILES_EXPORTER`` (``pyroscope``, ``otlp`` or ``pyroscope,otlp``; with
+        ``otlp`` the ``OTEL_EXPORTER_OTLP_*`` variables, and no Pyroscope address is needed). A
+        bad value raises ``ValueError`` naming the variable.
         """
         env = os.environ if environ is None else environ
+        exporters = parse_exporters(
+            "SPANPROF_PROFILES_EXPORTER", env.get("SPANPROF_PROFILES_EXPORTER", "") or "pyroscope"
+        )
+        otlp = OtlpSettings.from_env(env) if "otlp" in exporters else None
+        if "pyroscope" not in exporters and not env.get("PYROSCOPE_SERVER_ADDRESS", "").strip():
+            env = {**env, "PYROSCOPE_SERVER_ADDRESS": _UNUSED_ADDRESS}
         # One parser for both backends: the variables mean exactly the same thing.
         settings = PyroscopeSettings.from_env(env)
         if settings is None:
@@ -132,7 +173,9 @@ class ExactBackend(WithPyroscopeSettings):
             raise ValueError(
                 f"SPANPROF_PROFILE_CLOCK={clock!r}: expected one of {', '.join(CLOCKS)}"
             )
-        return cls(**settings.arguments(), clock=clock, auto=auto)
+        backend = cls(**settings.arguments(), clock=clock, auto=auto)
+        backend.exporters, backend._otlp = exporters, otlp
+        return backend
 
     # --- what runs -----------------------------------------------------------------------------
 
@@ -155,10 +198,17 @@ class ExactBackend(WithPyroscopeSettings):
 
     def stats(self) -> dict[str, float]:
         """Sampler and uploader counters: ticks, stall percentiles (µs), uploads, drops..."""
-        sampler, pusher = self._sampler, self._pusher
-        if sampler is None or pusher is None or self._pid != os.getpid():
+        sampler, exporters = self._sampler, self._exporters
+        if sampler is None or not exporters or self._pid != os.getpid():
             return dict(self._last_stats)
-        return {**sampler.stats(), **pusher.stats()}
+        return self._stats_of(sampler, exporters)
+
+    @staticmethod
+    def _stats_of(sampler: Sampler, exporters: list[WindowExporter]) -> dict[str, float]:
+        stats = sampler.stats()
+        for exporter in exporters:
+            stats.update(exporter.stats())
+        return stats
 
     # --- ProfilerBackend -----------------------------------------------------------------------
 
@@ -173,7 +223,8 @@ class ExactBackend(WithPyroscopeSettings):
             if self._pid == pid:
                 return
             # After a fork the parent's objects are here, but not its threads or timer.
-            self._sampler = self._pusher = self._fallback = None
+            self._sampler = self._fallback = None
+            self._exporters = []
             self._sink = _ignore
             self._context_thread = 0
             sampler = self._idle_sampler
@@ -183,12 +234,22 @@ class ExactBackend(WithPyroscopeSettings):
             self._idle_sampler, self._idle_pid = sampler, pid
             # Everything that can fail comes before the timer is armed, and whatever fails after
             # is undone: a failed start leaves no timer, no handler and no thread behind.
-            pusher = self._new_pusher(sampler)
-            pusher.start(sampler.take_window)
+            exporters = self._new_exporters(sampler)
+            fanout = WindowFanout(sampler.take_window, len(exporters))
+            for i, exporter in enumerate(exporters):
+                exporter.start(fanout.collector(i))
             try:
                 sampler.start()  # armed last
             except SamplerUnavailable as exc:
-                pusher.stop()
+                stop_all(exporters)
+                if "pyroscope" not in self.exporters:
+                    logger.warning(
+                        "spanprof: the exact sampler cannot run in this process (pid %d): %s. "
+                        "The OTLP exporter needs it: no profiles are sent",
+                        pid,
+                        exc,
+                    )
+                    return
                 logger.log(
                     logging.INFO if self.auto else logging.WARNING,
                     "spanprof: profiling with pyroscope-io and the label engine (pid %d): the "
@@ -203,20 +264,21 @@ class ExactBackend(WithPyroscopeSettings):
                 self._fallback = fallback
                 self._sink = fallback.set_thread_labels
             except BaseException:
-                pusher.stop()
+                stop_all(exporters)
                 sampler.stop()
                 raise
             else:
-                self._sampler, self._pusher = sampler, pusher
+                self._sampler, self._exporters = sampler, exporters
                 self._sink = sampler.set_thread_labels
                 self._ident = sampler.ident
                 self._context_thread = self._ident()
                 logger.info(
                     "spanprof: profiling with the exact sampler (pid %d, %s): stack and labels "
-                    "read at one instant in the main thread%s",
+                    "read at one instant in the main thread%s; exporting to %s",
                     pid,
                     f"SPANPROF_PROFILER={'auto' if self.auto else 'exact'}",
                     "" if self.clock == "cpu" else ", wall clock",
+                    " and ".join(self.exporters),
                 )
             self._pid = pid
             if not self._atexit_registered:
@@ -224,19 +286,34 @@ class ExactBackend(WithPyroscopeSettings):
                 atexit.register(self.shutdown)
                 self._atexit_registered = True
 
-    def _new_pusher(self, sampler: Sampler) -> Pusher:
-        return Pusher(
-            server_address=self.server_address,
-            labels=series_labels(self.application_name, self.tags),
-            period_ns=1_000_000_000 // self.sample_rate,
-            upload_interval=self.upload_interval,
-            tenant_id=self.tenant_id,
-            basic_auth_username=self.basic_auth_username,
-            basic_auth_password=self.basic_auth_password,
-            # Within ProfilerRuntime's 5 s shutdown budget, even with the server away.
-            flush_timeout=2.0,
-            block_signals=(sampler.signum,),
-        )
+    def _new_exporters(self, sampler: Sampler) -> list[WindowExporter]:
+        exporters: list[WindowExporter] = []
+        if "pyroscope" in self.exporters:
+            exporters.append(
+                Pusher(
+                    server_address=self.server_address,
+                    labels=series_labels(self.application_name, self.tags),
+                    period_ns=1_000_000_000 // self.sample_rate,
+                    upload_interval=self.upload_interval,
+                    tenant_id=self.tenant_id,
+                    basic_auth_username=self.basic_auth_username,
+                    basic_auth_password=self.basic_auth_password,
+                    # Within ProfilerRuntime's 5 s shutdown budget, even with the server away.
+                    flush_timeout=2.0,
+                    block_signals=(sampler.signum,),
+                )
+            )
+        if self._otlp is not None:
+            exporters.append(
+                OtlpExporter(
+                    self._otlp,
+                    upload_interval=self.upload_interval,
+                    attributes=sorted(self.tags.items()),
+                    flush_timeout=2.0,
+                    block_signals=(sampler.signum,),
+                )
+            )
+        return exporters
 
     def shutdown(self) -> None:
         """Stop sampling, upload the last window and stop the uploader (from any thread).
@@ -251,14 +328,14 @@ class ExactBackend(WithPyroscopeSettings):
             self._pid = None
             self._sink = _ignore
             self._context_thread = 0
-            sampler, pusher, fallback = self._sampler, self._pusher, self._fallback
-            self._sampler = self._pusher = self._fallback = None
+            sampler, exporters, fallback = self._sampler, self._exporters, self._fallback
+            self._sampler = self._fallback = None
+            self._exporters = []
             if sampler is not None:
                 sampler.stop()
-            if pusher is not None:
-                pusher.stop()
-            if sampler is not None and pusher is not None:
-                self._last_stats = {**sampler.stats(), **pusher.stats()}
+            stop_all(exporters)
+            if sampler is not None and exporters:
+                self._last_stats = self._stats_of(sampler, exporters)
             if fallback is not None:
                 fallback.shutdown()
 

@@ -1,6 +1,6 @@
 """Minimal protobuf wire-format helpers shared by the pprof and push codecs.
 
-Only what pprof and ``push.v1`` need: varints, length-delimited fields and packed
+Only what pprof, ``push.v1`` and OTLP profiles need: varints, length-delimited fields and packed
 repeated varints. Hand-written on purpose so spanprof does not depend on the
 ``protobuf`` package (whose runtime/codegen version pinning is a frequent source
 of conflicts in user applications).
@@ -24,6 +24,7 @@ __all__ = [
     "encode_varint",
     "iter_fields",
     "put_bytes_field",
+    "put_fixed64_field",
     "put_packed_varints_field",
     "put_string_field",
     "put_tag",
@@ -187,6 +188,13 @@ def put_bytes_field(buf: bytearray, field: int, data: bytes | bytearray) -> None
     put_varint(buf, (field << 3) | WIRE_LEN)
     put_varint(buf, len(data))
     buf += data
+
+
+def put_fixed64_field(buf: bytearray, field: int, value: int) -> None:
+    """Append a ``fixed64`` field (little-endian), omitting it when zero (proto3 default)."""
+    if value:
+        put_varint(buf, (field << 3) | WIRE_FIXED64)
+        buf += (value & _MASK64).to_bytes(8, "little")
 
 
 def put_string_field(buf: bytearray, field: int, value: str) -> None:

@@ -1,0 +1,575 @@
+"""Exports profile windows as OTLP profiles (``http/protobuf`` or ``grpc``) from a thread.
+
+One ``POST`` of an ``ExportProfilesServiceRequest`` per upload interval to the profiles
+endpoint (``Content-Type: application/x-protobuf``, gzip'd by default), configured like every
+OpenTelemetry exporter (``OtlpSettings.from_env``). The window is encoded (``_encoders._otlp``)
+in slices of ~0.5 ms of CPU each, releasing the GIL in between.
+
+With ``grpc`` (the ``grpc`` extra: grpcio) the same bytes go through ``_otlp_grpc``. Retries
+follow the OTLP/HTTP rules: 429, 502, 503 and 504 (and connection failures) are retried
+with exponential back-off, or after the server's ``Retry-After`` when it sends one; any other
+status drops the window (counted in ``rejected``). While the endpoint is away at most
+``max_pending`` windows wait, and the oldest is dropped (counted in ``dropped``) to make room.
+"""
+
+from __future__ import annotations
+
+import collections
+import email.utils
+import gzip
+import http.client
+import os
+import random
+import signal
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import unquote, urlsplit
+
+from ..._config import parse_bool, parse_int
+from ..._logging import log_once
+from ..._version import __version__
+from .._encoders._otlp import (
+    OtlpEncoder,
+    current_resource_attributes,
+    encode_resource,
+    encode_scope,
+)
+from .._encoders._protowire import ProtoDecodeError, as_bytes, as_int, as_str, iter_fields
+from .._samplers._signal import in_main_os_thread
+from .._window import Window
+from ._otlp_grpc import GrpcTransport, grpc_available
+
+__all__ = ["OTLP_CONTENT_TYPE", "OTLP_PROFILES_PATH", "OtlpExporter", "OtlpSettings"]
+
+#: Where the profiles signal goes under ``OTEL_EXPORTER_OTLP_ENDPOINT``.
+OTLP_PROFILES_PATH = "/v1development/profiles"
+OTLP_CONTENT_TYPE = "application/x-protobuf"
+PROTOCOLS = ("http/protobuf", "grpc")
+COMPRESSIONS = ("gzip", "none")
+#: OTLP/HTTP: only these statuses are worth another try.
+RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+
+_DEFAULT_ENDPOINT = "http://localhost:4318"
+_DEFAULT_GRPC_ENDPOINT = "http://localhost:4317"
+_Outcome = Literal["ok", "retry", "reject"]
+
+
+def _variable(env: Mapping[str, str], suffix: str) -> tuple[str, str]:
+    """``(name, value)`` of the profiles-specific variable if set, else of the generic one."""
+    for name in (f"OTEL_EXPORTER_OTLP_PROFILES_{suffix}", f"OTEL_EXPORTER_OTLP_{suffix}"):
+        value = env.get(name, "").strip()
+        if value:
+            return name, value
+    return f"OTEL_EXPORTER_OTLP_PROFILES_{suffix}", ""
+
+
+def _check_url(name: str, value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{name}={value!r}: expected an http:// or https:// URL with a host")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: invalid port") from None
+    return value
+
+
+def parse_headers(name: str, value: str) -> tuple[tuple[str, str], ...]:
+    """``key=value,key2=value2`` with URL-encoded values, as OTel's exporters read them."""
+    headers: list[tuple[str, str]] = []
+    for item in value.split(","):
+        if not item.strip():
+            continue
+        key, sep, val = item.partition("=")
+        key = unquote(key).strip()
+        if not sep or not key or any(c in key for c in " \t:\r\n"):
+            raise ValueError(f"{name}={value!r}: expected key=value pairs separated by commas")
+        val = unquote(val).strip()
+        if "\r" in val or "\n" in val:
+            raise ValueError(f"{name}: header {key!r} has a line break in its value")
+        headers.append((key, val))
+    return tuple(headers)
+
+
+def _check_file(name: str, value: str) -> str:
+    if value and not os.path.isfile(value):
+        raise ValueError(f"{name}={value!r}: no such file")
+    return value
+
+
+@dataclass(frozen=True)
+class OtlpSettings:
+    """Where and how OTLP profiles go; ``from_env`` reads the OTel exporter variables.
+
+    Arguments:
+        endpoint: the full URL the requests are posted to.
+        headers: extra request headers (e.g. authentication).
+        compression: ``"gzip"`` (default) or ``"none"``.
+        timeout: seconds one export may take.
+        protocol: ``"http/protobuf"`` or ``"grpc"`` (needs grpcio; ``endpoint`` is then
+            ``http(s)://host:port`` or ``host:port``, secure unless ``insecure``).
+        certificate: CA bundle for https endpoints (default: the system's).
+        client_certificate, client_key: a client certificate for mTLS.
+        insecure: gRPC without TLS for an endpoint given without a scheme.
+    """
+
+    endpoint: str = _DEFAULT_ENDPOINT + OTLP_PROFILES_PATH
+    headers: tuple[tuple[str, str], ...] = ()
+    compression: str = "gzip"
+    timeout: float = 10.0
+    protocol: str = "http/protobuf"
+    certificate: str = ""
+    client_certificate: str = ""
+    client_key: str = ""
+    insecure: bool = False
+
+    def __post_init__(self) -> None:
+        if self.protocol == "grpc":
+            if not grpc_available():
+                raise ValueError("protocol: 'grpc' needs grpcio (pip install 'spanprof[grpc]')")
+            if "://" in self.endpoint:
+                _check_url("endpoint", self.endpoint)
+        else:
+            _check_url("endpoint", self.endpoint)
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(
+                f"compression: expected one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"
+            )
+        if not 0 < self.timeout <= 600:
+            raise ValueError(f"timeout: expected 0 < seconds <= 600, got {self.timeout!r}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(
+                f"protocol: expected one of {', '.join(PROTOCOLS)}, got {self.protocol!r}"
+            )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> OtlpSettings:
+        """The settings the ``OTEL_EXPORTER_OTLP_[PROFILES_]*`` variables give.
+
+        ``…_PROFILES_ENDPOINT`` is the full URL; ``OTEL_EXPORTER_OTLP_ENDPOINT`` is a base to
+        which ``/v1development/profiles`` is appended (default ``http://localhost:4318``).
+        ``…_HEADERS`` (``k=v,k2=v2``), ``…_COMPRESSION`` (``gzip`` default, ``none``),
+        ``…_TIMEOUT`` (milliseconds, default 10000), ``…_PROTOCOL`` (``http/protobuf``),
+        ``…_CERTIFICATE``, ``…_CLIENT_CERTIFICATE``, ``…_CLIENT_KEY``. The profiles-specific
+        variable wins over the generic one. A bad value raises ``ValueError`` naming it.
+
+        With ``…_PROTOCOL=grpc`` (grpcio installed) no path is appended: the endpoint
+        (default ``http://localhost:4317``) is ``http(s)://host:port``, or ``host:port`` made
+        plain-text by ``…_INSECURE=true``.
+        """
+        env = os.environ if environ is None else environ
+        name, protocol = _variable(env, "PROTOCOL")
+        protocol = protocol.lower() or "http/protobuf"
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"{name}={protocol!r}: expected one of {', '.join(PROTOCOLS)}")
+        if protocol == "grpc" and not grpc_available():
+            raise ValueError(f"{name}=grpc needs grpcio: pip install 'spanprof[grpc]'")
+        name, raw_insecure = _variable(env, "INSECURE")
+        insecure = parse_bool(name, raw_insecure) if raw_insecure else False
+        specific = env.get("OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT", "").strip()
+        if protocol == "grpc":
+            name = "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT"
+            endpoint = specific or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+            if not specific:
+                name = "OTEL_EXPORTER_OTLP_ENDPOINT"
+            endpoint = endpoint or _DEFAULT_GRPC_ENDPOINT
+            if "://" in endpoint:
+                _check_url(name, endpoint)
+            elif not urlsplit(f"//{endpoint}").hostname:
+                raise ValueError(f"{name}={endpoint!r}: expected host:port or a URL")
+        elif specific:
+            endpoint = _check_url("OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT", specific)
+        else:
+            base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or _DEFAULT_ENDPOINT
+            _check_url("OTEL_EXPORTER_OTLP_ENDPOINT", base)
+            endpoint = base.rstrip("/") + OTLP_PROFILES_PATH
+        name, raw_headers = _variable(env, "HEADERS")
+        headers = parse_headers(name, raw_headers)
+        name, compression = _variable(env, "COMPRESSION")
+        compression = compression.lower() or "gzip"
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"{name}={compression!r}: expected one of {', '.join(COMPRESSIONS)}")
+        name, raw_timeout = _variable(env, "TIMEOUT")
+        timeout_ms = parse_int(name, raw_timeout or "10000", minimum=1, maximum=600_000)
+        certificate = _check_file(*_variable(env, "CERTIFICATE"))
+        client_certificate = _check_file(*_variable(env, "CLIENT_CERTIFICATE"))
+        client_key = _check_file(*_variable(env, "CLIENT_KEY"))
+        return cls(
+            endpoint=endpoint,
+            headers=headers,
+            compression=compression,
+            timeout=timeout_ms / 1000,
+            protocol=protocol,
+            certificate=certificate,
+            client_certificate=client_certificate,
+            client_key=client_key,
+            insecure=insecure,
+        )
+
+
+def retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds a ``Retry-After`` header asks for (delta-seconds or an HTTP date), or ``None``."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    wall = time.time() if now is None else now
+    return max(0.0, when.timestamp() - wall)
+
+
+def rejected_profiles(body: bytes) -> tuple[int, str]:
+    """``(rejected_profiles, error_message)`` of an ``ExportProfilesServiceResponse``."""
+    rejected, message = 0, ""
+    try:
+        for field, _wire, value in iter_fields(body):
+            if field != 1:  # partial_success
+                continue
+            for sub, _w, sub_value in iter_fields(as_bytes(value)):
+                if sub == 1:
+                    rejected = as_int(sub_value)
+                elif sub == 2:
+                    message = as_str(sub_value)
+    except ProtoDecodeError:
+        return 0, ""
+    return rejected, message
+
+
+@dataclass
+class _Payload:
+    body: bytes
+    attempts: int = 0
+
+
+class OtlpExporter:
+    """Encodes windows as OTLP profiles and posts them from a daemon thread.
+
+    Arguments:
+        settings: the endpoint and its options (``OtlpSettings``).
+        upload_interval: seconds between exports.
+        attributes: attributes of every profile (the backend's static tags).
+        resource_attributes: returns the resource's attributes at each export (default: the
+            global tracer provider's, as ``current_resource_attributes``).
+        max_pending: windows kept while the endpoint is away; the oldest is dropped beyond that.
+        backoff_initial, backoff_max: seconds before the first retry, and the cap of the
+            doubling back-off (a ``Retry-After`` may ask for longer, up to ``retry_after_max``).
+        flush_timeout: how long ``stop()`` may spend on the last window and pending retries.
+        block_signals: signals this thread blocks, so the sampler's timer never interrupts it.
+    """
+
+    def __init__(
+        self,
+        settings: OtlpSettings,
+        *,
+        upload_interval: float = 10.0,
+        attributes: Iterable[tuple[str, str]] = (),
+        resource_attributes: Callable[[], Mapping[str, object]] = current_resource_attributes,
+        max_pending: int = 6,
+        backoff_initial: float = 1.0,
+        backoff_max: float = 30.0,
+        retry_after_max: float = 300.0,
+        flush_timeout: float = 5.0,
+        block_signals: Iterable[int] = (),
+    ) -> None:
+        self.settings = settings
+        self._grpc = GrpcTransport(settings) if settings.protocol == "grpc" else None
+        parts = urlsplit(settings.endpoint if self._grpc is None else "http://grpc")
+        self.url = settings.endpoint
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or ""
+        self._port = parts.port
+        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self.upload_interval = upload_interval
+        self.timeout = settings.timeout
+        self.attributes = list(attributes)
+        self._resource_attributes = resource_attributes
+        self._resource: tuple[dict[str, object], bytes] | None = None
+        self._scope = encode_scope()
+        self.max_pending = max_pending
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.retry_after_max = retry_after_max
+        self.flush_timeout = flush_timeout
+        self._block_signals = set(block_signals)
+        self._headers = {
+            "Content-Type": OTLP_CONTENT_TYPE,
+            "User-Agent": f"spanprof/{__version__}",
+            **dict(settings.headers),
+        }
+        # gRPC compresses on its own (grpc.Compression.Gzip).
+        self._gzip = settings.compression == "gzip" and self._grpc is None
+        if self._gzip:
+            self._headers["Content-Encoding"] = "gzip"
+        self._ssl: ssl.SSLContext | None = None
+        if self._https:
+            self._ssl = ssl.create_default_context(cafile=settings.certificate or None)
+            if settings.client_certificate:
+                self._ssl.load_cert_chain(settings.client_certificate, settings.client_key or None)
+        self._queue: collections.deque[_Payload] = collections.deque()
+        self._retry_at = 0.0
+        self._conn: http.client.HTTPConnection | None = None
+        self._collect: Callable[[], Window] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.uploads = 0
+        self.failures = 0
+        self.retries = 0
+        self.dropped = 0
+        self.rejected = 0
+        self.rejected_profiles = 0
+        self.empty_windows = 0
+        self.bytes_sent = 0
+        self.raw_bytes = 0
+        self.export_steps = 0
+        self.export_cpu_ns = 0
+        self.max_step_ns = 0
+        self.max_step_wall_ns = 0
+        self.last_status: int | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self, collect: Callable[[], Window]) -> None:
+        """Start the export thread; ``collect()`` hands over the samples of each interval."""
+        self._collect = collect
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._run, name="spanprof-otlp-exporter", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Export the last window and whatever waits for a retry (within ``flush_timeout``)."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._thread = None
+        self._stop.set()
+        thread.join(2 * self.flush_timeout + 1.0)
+
+    def stats(self) -> dict[str, float]:
+        """Export counters and the longest export step, each key prefixed ``otlp_``."""
+        return {
+            "otlp_uploads": self.uploads,
+            "otlp_failures": self.failures,
+            "otlp_retries": self.retries,
+            "otlp_dropped": self.dropped,
+            "otlp_rejected": self.rejected,
+            "otlp_rejected_profiles": self.rejected_profiles,
+            "otlp_pending": len(self._queue),
+            "otlp_bytes_sent": self.bytes_sent,
+            "otlp_raw_bytes": self.raw_bytes,
+            "otlp_export_steps": self.export_steps,
+            "otlp_export_cpu_ms": self.export_cpu_ns / 1e6,
+            "otlp_max_export_step_us": self.max_step_ns / 1e3,
+            "otlp_max_export_step_wall_us": self.max_step_wall_ns / 1e3,
+        }
+
+    # --- the export thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        # Under gevent this "thread" is a greenlet of the main thread, where the sampler's
+        # signal must stay deliverable.
+        if self._block_signals and not in_main_os_thread():
+            signal.pthread_sigmask(signal.SIG_BLOCK, self._block_signals)
+        next_upload = time.monotonic() + self.upload_interval
+        while True:
+            wake_at = next_upload
+            if self._queue:
+                wake_at = min(wake_at, self._retry_at)
+            if self._stop.wait(max(0.0, wake_at - time.monotonic())):
+                break
+            now = time.monotonic()
+            if now >= next_upload:
+                next_upload += self.upload_interval
+                if next_upload <= now:
+                    next_upload = now + self.upload_interval
+                self._export()
+            if self._queue and time.monotonic() >= self._retry_at:
+                self._send_pending(deadline=None)
+        # The last window: no export may outlast the flush budget.
+        self.timeout = min(self.timeout, self.flush_timeout)
+        self._close()
+        self._export()
+        self._send_pending(deadline=time.monotonic() + self.flush_timeout)
+        if self._queue:
+            self._drop(len(self._queue), "the endpoint did not answer before shutdown")
+            self._queue.clear()
+        self._close()
+        if self._grpc is not None:
+            self._grpc.close()
+
+    def _timed(self, work: Callable[[], object]) -> None:
+        # One step of export work under the GIL; the sleep(0) after it lets waiting threads in.
+        cpu = time.thread_time_ns()
+        wall = time.perf_counter_ns()
+        work()
+        used = time.thread_time_ns() - cpu
+        self.export_cpu_ns += used
+        self.max_step_ns = max(self.max_step_ns, used)
+        self.max_step_wall_ns = max(self.max_step_wall_ns, time.perf_counter_ns() - wall)
+        self.export_steps += 1
+        time.sleep(0)
+
+    def _resource_bytes(self) -> bytes:
+        attributes = dict(self._resource_attributes())
+        cached = self._resource
+        if cached is None or cached[0] != attributes:
+            cached = self._resource = (attributes, encode_resource(attributes))
+        return cached[1]
+
+    def encode(self, window: Window) -> bytes:
+        """The request body for ``window`` (compressed as configured), encoded in timed steps."""
+        encoder = OtlpEncoder(
+            window, resource=self._resource_bytes(), scope=self._scope, attributes=self.attributes
+        )
+        while not encoder.done:
+            self._timed(encoder.step)
+        self.raw_bytes += len(encoder.request)
+        if self._gzip:
+            # zlib releases the GIL while it deflates.
+            return gzip.compress(encoder.request, compresslevel=6, mtime=0)
+        return encoder.request
+
+    def _export(self) -> None:
+        collect = self._collect
+        if collect is None:
+            return
+        try:
+            window = collect()
+            if not window.values:
+                self.empty_windows += 1
+                return
+            body = self.encode(window)
+        except Exception:
+            log_once(
+                "otlp-encode",
+                "spanprof: encoding an OTLP profile window failed; it was dropped (logged once)",
+            )
+            self.dropped += 1
+            return
+        if len(self._queue) >= self.max_pending:
+            self._queue.popleft()
+            self._drop(1, f"{self.max_pending} windows already wait for the endpoint")
+        self._queue.append(_Payload(body))
+
+    def _drop(self, count: int, why: str) -> None:
+        self.dropped += count
+        log_once(
+            "otlp-dropped",
+            f"spanprof: dropped OTLP profile windows because {why}; see "
+            "stats()['otlp_dropped'] (logged once)",
+            exc_info=False,
+        )
+
+    def _send_pending(self, *, deadline: float | None) -> None:
+        while self._queue:
+            payload = self._queue[0]
+            outcome, detail, wait = self._post(payload.body)
+            if outcome == "ok":
+                self._queue.popleft()
+                self.uploads += 1
+                self.bytes_sent += len(payload.body)
+                continue
+            if outcome == "reject":
+                self._queue.popleft()
+                self.rejected += 1
+                log_once(
+                    f"otlp-rejected-{detail}",
+                    f"spanprof: {self.url} rejected an OTLP profile export ({detail}); it was "
+                    "dropped (logged once)",
+                    exc_info=False,
+                )
+                continue
+            self.failures += 1
+            payload.attempts += 1
+            delay = min(self.backoff_max, self.backoff_initial * 2 ** (payload.attempts - 1))
+            delay *= random.uniform(0.8, 1.2)
+            if wait is not None:
+                delay = max(delay, min(wait, self.retry_after_max))
+            log_once(
+                "otlp-failed",
+                f"spanprof: exporting profiles to {self.url} failed ({detail}); retrying with "
+                f"back-off, keeping at most {self.max_pending} windows (logged once)",
+                exc_info=False,
+            )
+            if deadline is None:
+                self._retry_at = time.monotonic() + delay
+                self.retries += 1
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= delay:
+                # Shutting down: a retry the endpoint asks us to delay past the budget is lost.
+                return
+            self.retries += 1
+            time.sleep(delay)
+
+    def _post(self, body: bytes) -> tuple[_Outcome, str, float | None]:
+        if self._grpc is not None:
+            outcome, detail, wait, answer = self._grpc.export(body, self.timeout)
+            if outcome == "ok":
+                self._partial_success(answer)
+            return outcome, detail, wait
+        reused = self._conn is not None
+        try:
+            return self._post_once(body)
+        except (OSError, http.client.HTTPException) as exc:
+            self._close()
+            if not reused:
+                return "retry", f"{type(exc).__name__}: {exc}", None
+        # A kept-alive connection the server had closed fails on first use: once more, fresh.
+        try:
+            return self._post_once(body)
+        except (OSError, http.client.HTTPException) as exc:
+            self._close()
+            return "retry", f"{type(exc).__name__}: {exc}", None
+
+    def _post_once(self, body: bytes) -> tuple[_Outcome, str, float | None]:
+        conn = self._connection()
+        conn.request("POST", self._path, body=body, headers=self._headers)
+        response = conn.getresponse()
+        answer = response.read()
+        status = response.status
+        self.last_status = status
+        if response.will_close:
+            self._close()
+        if 200 <= status < 300:
+            self._partial_success(answer)
+            return "ok", str(status), None
+        if status in RETRYABLE_STATUSES:
+            return "retry", f"HTTP {status}", retry_after(response.getheader("Retry-After"))
+        return "reject", f"HTTP {status}", None
+
+    def _partial_success(self, answer: bytes) -> None:
+        count, message = rejected_profiles(answer)
+        if count:
+            self.rejected_profiles += count
+            log_once(
+                "otlp-partial",
+                f"spanprof: {self.url} rejected {count} profile(s): {message} (logged once)",
+                exc_info=False,
+            )
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            if self._https:
+                self._conn = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=self.timeout, context=self._ssl
+                )
+            else:
+                self._conn = http.client.HTTPConnection(
+                    self._host, self._port, timeout=self.timeout
+                )
+        return self._conn
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()

@@ -1,0 +1,145 @@
+"""OTLP profiles over gRPC (``OTEL_EXPORTER_OTLP_PROFILES_PROTOCOL=grpc``; needs ``grpcio``).
+
+One unary ``opentelemetry.proto.collector.profiles.v1development.ProfilesService/Export`` call
+per window, the already encoded request passed as bytes both ways (no ``protobuf`` needed).
+Retries follow OTLP/gRPC: ``CANCELLED``, ``DEADLINE_EXCEEDED``, ``ABORTED``, ``OUT_OF_RANGE``,
+``UNAVAILABLE`` and ``DATA_LOSS`` are retried, ``RESOURCE_EXHAUSTED`` only when the server
+sends a ``RetryInfo`` (whose delay is then honoured); anything else drops the window.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit
+
+from .._encoders._protowire import ProtoDecodeError, as_bytes, as_int, as_str, iter_fields
+
+if TYPE_CHECKING:
+    from ._otlp import OtlpSettings
+
+__all__ = ["EXPORT_METHOD", "GrpcTransport", "grpc_available", "retry_info_delay"]
+
+EXPORT_METHOD = "/opentelemetry.proto.collector.profiles.v1development.ProfilesService/Export"
+_RETRYABLE = frozenset(
+    {"CANCELLED", "DEADLINE_EXCEEDED", "ABORTED", "OUT_OF_RANGE", "UNAVAILABLE", "DATA_LOSS"}
+)
+_RETRY_INFO_TYPE = "type.googleapis.com/google.rpc.RetryInfo"
+_Outcome = Literal["ok", "retry", "reject"]
+
+
+def grpc_available() -> bool:
+    """Whether ``grpcio`` can be imported."""
+    try:
+        import grpc  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def retry_info_delay(status_details: bytes) -> float | None:
+    """The ``RetryInfo.retry_delay`` (seconds) in a ``google.rpc.Status``, or ``None``."""
+    try:
+        for field, _w, value in iter_fields(status_details):
+            if field != 3:  # details: repeated google.protobuf.Any
+                continue
+            type_url, payload = "", b""
+            for f, _w2, v in iter_fields(as_bytes(value)):
+                if f == 1:
+                    type_url = as_str(v)
+                elif f == 2:
+                    payload = as_bytes(v)
+            if type_url != _RETRY_INFO_TYPE:
+                continue
+            seconds = nanos = 0
+            for f, _w2, v in iter_fields(payload):
+                if f == 1:  # retry_delay: google.protobuf.Duration
+                    for df, _w3, dv in iter_fields(as_bytes(v)):
+                        if df == 1:
+                            seconds = as_int(dv)
+                        elif df == 2:
+                            nanos = as_int(dv)
+            return seconds + nanos / 1e9
+    except ProtoDecodeError:
+        return None
+    return None
+
+
+def grpc_target(endpoint: str, insecure: bool) -> tuple[str, bool]:
+    """``(host:port, secure)`` for an OTLP gRPC endpoint (a URL, or ``host:port``)."""
+    if "://" not in endpoint:
+        return endpoint.strip("/"), not insecure
+    parts = urlsplit(endpoint)
+    return parts.netloc, parts.scheme == "https"
+
+
+class GrpcTransport:
+    """One channel to the endpoint, created on first use (in the exporter's thread)."""
+
+    def __init__(self, settings: OtlpSettings) -> None:
+        self.settings = settings
+        self.target, self.secure = grpc_target(settings.endpoint, settings.insecure)
+        self._channel: Any = None
+        self._call: Any = None
+        self._metadata = tuple((k.lower(), v) for k, v in settings.headers)
+
+    def _connect(self) -> Any:
+        import grpc
+
+        if self._call is None:
+            settings = self.settings
+            compression = (
+                grpc.Compression.Gzip
+                if settings.compression == "gzip"
+                else grpc.Compression.NoCompression
+            )
+            if self.secure:
+
+                def read(path: str) -> bytes | None:
+                    if not path:
+                        return None
+                    with open(path, "rb") as file:
+                        return file.read()
+
+                credentials = grpc.ssl_channel_credentials(
+                    root_certificates=read(settings.certificate),
+                    private_key=read(settings.client_key),
+                    certificate_chain=read(settings.client_certificate),
+                )
+                self._channel = grpc.secure_channel(
+                    self.target, credentials, compression=compression
+                )
+            else:
+                self._channel = grpc.insecure_channel(self.target, compression=compression)
+            self._call = self._channel.unary_unary(
+                EXPORT_METHOD, request_serializer=None, response_deserializer=None
+            )
+        return self._call
+
+    def export(self, body: bytes, timeout: float) -> tuple[_Outcome, str, float | None, bytes]:
+        """``(outcome, detail, wait seconds or None, response bytes)`` of one Export call."""
+        import grpc
+
+        call = self._connect()
+        try:
+            answer: bytes = call(body, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            name = getattr(code, "name", "UNKNOWN")
+            detail = f"gRPC {name}"
+            if name in _RETRYABLE:
+                return "retry", detail, None, b""
+            if name == "RESOURCE_EXHAUSTED":
+                trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else ()
+                for key, value in trailers or ():
+                    if key == "grpc-status-details-bin" and isinstance(value, bytes):
+                        delay = retry_info_delay(value)
+                        if delay is not None:
+                            return "retry", detail, delay, b""
+            return "reject", detail, None, b""
+        return "ok", "OK", None, answer
+
+    def close(self) -> None:
+        """Close the channel (a new one is made on the next export)."""
+        channel, self._channel, self._call = self._channel, None, None
+        if channel is not None:
+            channel.close()
