@@ -1,0 +1,176 @@
+"""The middlewares never change what an app does: how it is called, how often, what it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from opentelemetry.instrumentation.utils import suppress_http_instrumentation
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from starlette.endpoints import HTTPEndpoint, WebSocketEndpoint
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.websockets import WebSocket
+
+from spanprof import ProfilingMiddleware, current_labels
+
+from .asgi_driver import websocket_session
+
+
+def _scope(path: str = "/", headers: list[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers if headers is not None else [(b"host", b"test")],
+        "server": ("127.0.0.1", 8000),
+        "client": ("127.0.0.1", 50000),
+    }
+
+
+async def _call(app: Any, scope: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run one request through ``app``; the messages it sent (even if it raised)."""
+    messages: list[dict[str, Any]] = []
+    received = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal received
+        received += 1
+        if received == 1:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def send(message: Any) -> None:
+        messages.append(dict(message))
+
+    try:
+        await app(scope, receive, send)
+    except RuntimeError as exc:
+        messages.append({"type": "raised", "error": str(exc)})
+    return messages
+
+
+def _server_spans(exporter: InMemorySpanExporter) -> list[Any]:
+    return [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
+
+
+# --- 6: class-based ASGI apps ---------------------------------------------------------------
+
+
+class _Endpoint(HTTPEndpoint):
+    async def get(self, request: Request) -> Response:
+        return JSONResponse(dict(current_labels()))
+
+
+class _Socket(WebSocketEndpoint):
+    encoding = "text"
+
+    async def on_connect(self, websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.send_json(dict(current_labels()))
+        await websocket.close()
+
+
+def test_an_http_endpoint_class_is_called_as_the_server_calls_it(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """An ``HTTPEndpoint`` subclass as the app (ASGI3 by ``__await__``) serves, labelled."""
+    app = ProfilingMiddleware(_Endpoint, profiler=None, tracer_provider=tracer_provider)
+    messages = asyncio.run(_call(app, _scope()))
+    assert [m["type"] for m in messages] == ["http.response.start", "http.response.body"]
+    assert messages[0]["status"] == 200
+    (span,) = _server_spans(span_exporter)
+    assert json.loads(messages[1]["body"])["span_id"] == format(span.context.span_id, "016x")
+
+
+def test_a_websocket_endpoint_class_is_called_as_the_server_calls_it(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """A ``WebSocketEndpoint`` subclass as the app accepts, sends with its span's labels."""
+    app = ProfilingMiddleware(_Socket, profiler=None, tracer_provider=tracer_provider)
+    sent = asyncio.run(websocket_session(app, "/ws"))
+    (span,) = _server_spans(span_exporter)
+    assert len(sent) == 1
+    assert json.loads(sent[0]["text"])["span_id"] == format(span.context.span_id, "016x")
+
+
+# --- 8: never run the app twice ---------------------------------------------------------------
+
+
+def test_a_failing_app_under_suppressed_instrumentation_runs_once(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """Under ``suppress_http_instrumentation()`` OTel makes no span: a failure is not retried."""
+    calls: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        calls.append(scope["path"])
+        await send({"type": "http.response.start", "status": 500, "headers": []})
+        message = await receive()
+        assert message["type"] == "http.request"  # a second run would see http.disconnect
+        raise RuntimeError("app failed")
+
+    middleware = ProfilingMiddleware(app, profiler=None, tracer_provider=tracer_provider)
+
+    async def main() -> list[dict[str, Any]]:
+        with suppress_http_instrumentation():
+            return await _call(middleware, _scope("/x"))
+
+    messages = asyncio.run(main())
+    assert calls == ["/x"]
+    assert [m["type"] for m in messages] == ["http.response.start", "raised"]
+    assert messages[1]["error"] == "app failed"
+    assert span_exporter.get_finished_spans() == ()
+
+
+def test_undecodable_headers_still_run_the_app_once(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """The retry for headers OTel cannot read stays: OTel fails first, the app runs once."""
+    calls: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        calls.append(scope["path"])
+        raise RuntimeError("app failed")
+
+    middleware = ProfilingMiddleware(app, profiler=None, tracer_provider=tracer_provider)
+    messages = asyncio.run(_call(middleware, _scope("/y", [(b"traceparent", b"\x80\\")])))
+    assert calls == ["/y"]
+    assert messages == [{"type": "raised", "error": "app failed"}]
+    assert len(_server_spans(span_exporter)) == 1
+
+
+# --- 9: the SLO verdict reaches the span on every path ---------------------------------------
+
+
+@pytest.mark.parametrize("ending", ["raises", "returns-without-body", "raises-after-start"])
+def test_a_slow_request_that_does_not_complete_is_marked_breached(
+    ending: str, tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """A slow app that raises or returns early still gets ``spanprof.slo.breached``."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if ending == "raises-after-start":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        await asyncio.sleep(0.03)
+        if ending != "returns-without-body":
+            raise RuntimeError("slow and failed")
+
+    middleware = ProfilingMiddleware(
+        app, profiler=None, tracer_provider=tracer_provider, slo_seconds=0.01
+    )
+    asyncio.run(_call(middleware, _scope()))
+    (span,) = _server_spans(span_exporter)
+    assert span.attributes is not None
+    assert span.attributes.get("spanprof.slo.breached") is True
+    assert span.attributes.get("spanprof.slo.threshold_s") == 0.01
