@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+from wsgiref.util import setup_testing_defaults
 
 import pytest
 from opentelemetry.instrumentation.utils import suppress_http_instrumentation
@@ -16,9 +18,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket
 
-from spanprof import ProfilingMiddleware, current_labels
+from spanprof import ProfilingMiddleware, WSGIProfilingMiddleware, current_labels
 
 from .asgi_driver import websocket_session
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
 
 def _scope(path: str = "/", headers: list[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
@@ -174,3 +179,46 @@ def test_a_slow_request_that_does_not_complete_is_marked_breached(
     assert span.attributes is not None
     assert span.attributes.get("spanprof.slo.breached") is True
     assert span.attributes.get("spanprof.slo.threshold_s") == 0.01
+
+
+def _environ(**overrides: str) -> dict[str, Any]:
+    environ: dict[str, Any] = {}
+    setup_testing_defaults(environ)
+    environ.update(overrides)
+    return environ
+
+
+# --- 10: a span that cannot be set up never fails the request --------------------------------
+
+
+def test_a_wsgi_request_whose_span_cannot_be_set_up_is_served_unlabelled(
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``Host: example.com:abc`` (SERVER_PORT "abc" under gunicorn on a unix socket): 200, once."""
+    calls: list[dict[str, str]] = []
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        calls.append(dict(current_labels()))
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"served"]
+
+    middleware = WSGIProfilingMiddleware(
+        app, profiler=None, tracer_provider=tracer_provider, environ={}
+    )
+    statuses: list[str] = []
+
+    def start_response(status: str, headers: Any, exc_info: Any = None) -> Any:
+        statuses.append(status)
+        return lambda data: None
+
+    for _ in range(2):
+        environ = _environ(HTTP_HOST="example.com:abc", SERVER_PORT="abc")
+        body = middleware(environ, start_response)
+        assert b"".join(body) == b"served"
+    assert statuses == ["200 OK", "200 OK"]
+    assert calls == [{}, {}]
+    assert span_exporter.get_finished_spans() == ()
+    logged = [r for r in caplog.records if "span failed" in r.getMessage()]
+    assert len(logged) == 1

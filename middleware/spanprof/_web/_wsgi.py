@@ -135,7 +135,19 @@ class WSGIProfilingMiddleware:
             # An outer spanprof layer (ASGI or WSGI) owns this request: it keeps its name,
             # labels and duration.
             return self.app(environ, start_response)
-        return self._begin(environ).run(self.app, environ, start_response)
+        try:
+            request = self._begin(environ)
+        except Exception:
+            # OpenTelemetry's request attributes raise on some environs a real server builds
+            # (gunicorn on a unix socket takes SERVER_PORT from the Host header: "abc"). The
+            # request must not fail because its span could not be set up.
+            log_once(
+                "wsgi-span-setup",
+                "spanprof: setting up this request's span failed; it is served unlabelled "
+                "(logged once)",
+            )
+            return self.app(environ, start_response)
+        return request.run(self.app, environ, start_response)
 
     def _template(self, environ: WSGIEnvironment) -> str | None:
         resolve = self._resolve
@@ -159,6 +171,7 @@ class WSGIProfilingMiddleware:
         name = span_name(method, template if template is not None else UNMATCHED)
         current = trace.get_current_span()
         attributes: dict[str, Any] = {}
+        server_attributes = False  # whether the custom request-header attributes apply
         if is_server_span(current):
             # An outer instrumentation (OpenTelemetryMiddleware, opentelemetry-instrument)
             # already opened the server span: label that one, open no second span.
@@ -177,13 +190,19 @@ class WSGIProfilingMiddleware:
             attributes = collect_request_attributes(environ, self._semconv)
             span = self._tracer.start_span(name, parent, kind=kind, attributes=attributes)
             owns_span = True
-            if kind is SpanKind.SERVER and span.is_recording():
+            server_attributes = kind is SpanKind.SERVER
+            ctx = trace.set_span_in_context(span, parent)
+        try:
+            if server_attributes and span.is_recording():
                 custom = collect_custom_request_headers_attributes(environ)
                 if custom:
                     span.set_attributes(custom)
-            ctx = trace.set_span_in_context(span, parent)
-        labels = request_labels(span, name, with_trace_id=self._with_trace_id)
-        annotate_span(span, labels, template)
+            labels = request_labels(span, name, with_trace_id=self._with_trace_id)
+            annotate_span(span, labels, template)
+        except BaseException:
+            if owns_span:  # the request is served without it: leave no span open
+                span.end()
+            raise
         return _Request(
             self,
             span=span,
