@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 from wsgiref.util import setup_testing_defaults
 
 import pytest
 from opentelemetry.instrumentation.utils import suppress_http_instrumentation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
@@ -181,11 +183,95 @@ def test_a_slow_request_that_does_not_complete_is_marked_breached(
     assert span.attributes.get("spanprof.slo.threshold_s") == 0.01
 
 
+# --- 7: WSGI bodies the server never closes ---------------------------------------------------
+
+
 def _environ(**overrides: str) -> dict[str, Any]:
     environ: dict[str, Any] = {}
     setup_testing_defaults(environ)
     environ.update(overrides)
     return environ
+
+
+def _durations(reader: InMemoryMetricReader) -> list[HistogramDataPoint]:
+    data = reader.get_metrics_data()
+    if data is None:
+        return []
+    return [
+        point
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for metric in sm.metrics
+        if metric.name == "http.server.request.duration"
+        for point in metric.data.data_points
+        if isinstance(point, HistogramDataPoint)
+    ]
+
+
+@pytest.mark.parametrize("body_kind", ["list", "generator"])
+def test_a_wsgi_body_read_to_the_end_but_never_closed_ends_its_request(
+    body_kind: str, tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """The span ends and the duration is recorded once the body is exhausted, without close()."""
+    seen: list[dict[str, str]] = []
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        if body_kind == "list":
+            return [b"a", b"b"]
+
+        def body() -> Iterator[bytes]:
+            for chunk in (b"a", b"b"):
+                seen.append(dict(current_labels()))
+                yield chunk
+
+        return body()
+
+    reader = InMemoryMetricReader()
+    meters = MeterProvider(metric_readers=[reader])
+    try:
+        middleware = WSGIProfilingMiddleware(
+            app, profiler=None, tracer_provider=tracer_provider, meter_provider=meters, environ={}
+        )
+        body = middleware(_environ(), lambda status, headers, exc_info=None: lambda data: None)
+        assert b"".join(body) == b"ab"  # a server that never calls close()
+        (span,) = _server_spans(span_exporter)
+        (point,) = _durations(reader)
+    finally:
+        meters.shutdown()
+    assert point.count == 1
+    assert point.attributes is not None
+    assert point.attributes["http.response.status_code"] == 200
+    if body_kind == "generator":  # every next() still ran with the request's labels
+        assert [labels["span_id"] for labels in seen] == [format(span.context.span_id, "016x")] * 2
+    assert current_labels() == {}
+
+
+def test_werkzeugs_test_client_ends_every_span(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """Under werkzeug's test client (which does not close bodies) every request's span ends."""
+    from flask import Flask, Response
+
+    flask = Flask("transparency")
+
+    @flask.get("/stream")
+    def stream() -> Response:
+        return Response(iter([b"x", b"y"]))
+
+    @flask.get("/plain")
+    def plain() -> str:
+        return "ok"
+
+    flask.wsgi_app = WSGIProfilingMiddleware(  # type: ignore[method-assign]
+        flask.wsgi_app, profiler=None, tracer_provider=tracer_provider, environ={}
+    )
+    client = flask.test_client()
+    for _ in range(5):
+        assert client.get("/stream").data == b"xy"
+        assert client.get("/plain").data == b"ok"
+    spans = _server_spans(span_exporter)
+    assert sorted(s.name for s in spans) == ["GET /plain"] * 5 + ["GET /stream"] * 5
 
 
 # --- 10: a span that cannot be set up never fails the request --------------------------------

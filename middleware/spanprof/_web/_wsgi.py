@@ -5,7 +5,8 @@ A WSGI request runs in two parts: the app call, and the server iterating the ret
 request's labels and OpenTelemetry context around each part (the call, every ``next()`` and
 ``close()``) and removes them after it, so the server's own work between chunks carries no
 request labels, a server that never calls ``close()`` leaves no labels behind, and the request
-ends (span, duration) when the body is closed, so streaming bodies count in full.
+ends (span, duration) when the body is exhausted or closed, whichever comes first, so
+streaming bodies count in full.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class WSGIProfilingMiddleware:
     ``span_name`` (``GET /items/<int:item_id>``) while the app is called and while its body is
     iterated and closed. Thread-pool work and (with ``install_greenlet_labels``) gevent
     greenlets it starts inherit them. The span ends, and the request duration is recorded, when
-    the server closes the response.
+    the server has read the whole body or closed the response.
 
     ```python
     app = Flask(__name__)
@@ -420,7 +421,14 @@ class _Body:
         return self
 
     def __next__(self) -> bytes:
-        chunk: bytes = self._request.call(self._advance)
+        try:
+            chunk: bytes = self._request.call(self._advance)
+        except StopIteration:
+            # The body is exhausted: the response is complete. End the request now, as
+            # OpenTelemetry's WSGI middleware does, for servers that never call close() (the
+            # app's close() still runs with the labels if it comes).
+            self._request.finish()
+            raise
         return chunk
 
     def _advance(self) -> bytes:
