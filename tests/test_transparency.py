@@ -20,9 +20,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket
 
-from spanprof import ProfilingMiddleware, WSGIProfilingMiddleware, current_labels
+from spanprof import ProfilingMiddleware, RecorderBackend, WSGIProfilingMiddleware, current_labels
+from spanprof._labels import _engine
 
 from .asgi_driver import websocket_session
+from .conftest import run_on
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -308,3 +310,49 @@ def test_a_wsgi_request_whose_span_cannot_be_set_up_is_served_unlabelled(
     assert span_exporter.get_finished_spans() == ()
     logged = [r for r in caplog.records if "span failed" in r.getMessage()]
     assert len(logged) == 1
+
+
+# --- 11: uvloop without lifespan: the request that hooks the loop is labelled too ------------
+
+
+@pytest.mark.parametrize("proxy", ["c", "python"])
+def test_the_request_that_hooks_a_uvloop_loop_runs_every_step_with_its_labels(
+    proxy: str,
+    recorder: RecorderBackend,
+    tracer_provider: TracerProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No lifespan: the first request's task predates the task factory; its steps still sync."""
+    if proxy == "python":
+        monkeypatch.setattr(_engine, "_CLabelledCoroutine", None)
+    steps: dict[str, list[tuple[str | None, str | None]]] = {}
+    second_started = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        path = scope["path"]
+        mine = steps.setdefault(path, [])
+        if path == "/first":
+            await second_started.wait()
+        else:
+            second_started.set()
+        for _ in range(5):
+            await asyncio.sleep(0)
+            # What the profiler would attach to a sample now, against the request's own span.
+            mine.append((recorder.thread_labels().get("span_id"), current_labels().get("span_id")))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    middleware = ProfilingMiddleware(app, profiler=None, tracer_provider=tracer_provider)
+
+    async def main() -> None:
+        # As a server does: a task per request, the first created before any hook exists.
+        first = asyncio.get_running_loop().create_task(_call(middleware, _scope("/first")))
+        await asyncio.sleep(0)  # the first request hooks the loop
+        second = asyncio.get_running_loop().create_task(_call(middleware, _scope("/second")))
+        await asyncio.gather(first, second)
+
+    run_on("uvloop", main)
+    assert set(steps) == {"/first", "/second"}
+    for path, seen in steps.items():
+        assert len(seen) == 5
+        assert all(thread == own and own is not None for thread, own in seen), (path, seen)

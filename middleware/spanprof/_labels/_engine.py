@@ -61,6 +61,8 @@ __all__ = [
     "install_label_engine",
     "installed_backend",
     "run_labelled",
+    "run_steps_hooked",
+    "steps_hooked",
     "sync",
     "uninstall_label_engine",
 ]
@@ -282,6 +284,49 @@ def _labelled(coro: Coroutine[Any, Any, Any]) -> Coroutine[Any, Any, Any]:
         # install, uninstall and fork replace it: ``_tls.labels`` stays the one source of truth.
         return _CLabelledCoroutine(coro, LABELS, globals(), apply)
     return _LabelledCoroutine(coro)
+
+
+_PROXY_TYPES: tuple[type, ...] = (
+    (_LabelledCoroutine,)
+    if _CLabelledCoroutine is None
+    else (_CLabelledCoroutine, _LabelledCoroutine)
+)
+
+# Set while a task that escapes the engine runs a coroutine it hooked with run_steps_hooked.
+_STEPS_HOOKED: ContextVar[bool] = ContextVar("spanprof.steps_hooked", default=False)
+
+
+def steps_hooked() -> bool:
+    """Whether the engine syncs labels before every step of the calling task.
+
+    False only for a task on a loop whose handles cannot be patched (uvloop) that was created
+    before ``attach_loop`` gave the loop its task factory: the request that hooked the loop,
+    and any already running then (a server without lifespan, such as Django's ASGI handler).
+    Its steps run under whatever labels the last hooked step pushed, unless its code runs
+    inside ``run_steps_hooked``. Cheap enough to ask once per request.
+    """
+    if _backend is None:
+        return True
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no asyncio loop running here (trio has its own instrument)
+        return True
+    if task is None:
+        return True
+    factory = task.get_loop().get_task_factory()
+    if not isinstance(factory, _LabelTaskFactory) or not factory.wrap_coroutines:
+        return True  # the loop's handles are hooked, or the loop needs no hooks
+    return _STEPS_HOOKED.get() or isinstance(task.get_coro(), _PROXY_TYPES)
+
+
+async def run_steps_hooked(coro: Coroutine[Any, Any, T]) -> T:
+    """Await ``coro`` with the labels synced before each of its steps, as in a hooked task."""
+    token = _STEPS_HOOKED.set(True)
+    try:
+        result: T = await _labelled(coro)
+        return result
+    finally:
+        _STEPS_HOOKED.reset(token)
 
 
 _TaskFactory = Callable[..., "asyncio.Future[Any]"]

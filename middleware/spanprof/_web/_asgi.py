@@ -15,7 +15,7 @@ from opentelemetry.trace import INVALID_SPAN, Span
 from opentelemetry.util.http import ExcludeList
 
 from .._labels._backend import ProfilerBackend
-from .._labels._engine import apply, attach_loop
+from .._labels._engine import apply, attach_loop, run_steps_hooked, steps_hooked
 from .._labels._labelset import LABELS, LabelSet
 from .._logging import log_once
 from .._signals._duration import DurationRecorder
@@ -275,6 +275,12 @@ class ProfilingMiddleware:
             return
         self._runtime.ensure_started()
         attach_loop()
+        if not steps_hooked():
+            # This request's task predates the loop's label hooks (uvloop without lifespan:
+            # the request that hooked it): handle it inside a coroutine proxy that syncs the
+            # labels on each of its steps, as the hooks do for every later request.
+            await run_steps_hooked(self(scope, receive, send))
+            return
         current = trace.get_current_span()
         reused = is_server_span(current)
         if reused and is_labelled_span(current):
