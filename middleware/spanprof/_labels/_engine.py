@@ -176,11 +176,52 @@ def installed_backend() -> ProfilerBackend | None:
 _orig_handle_run: Callable[[asyncio.Handle], None] = asyncio.Handle._run
 
 
+# --- a failed label sync never drops a step ----------------------------------------------------
+#
+# apply() reports the backend's Exceptions itself, but a KeyboardInterrupt or SystemExit (a signal
+# landing in its Python code, a backend that exits) gets through. Skipping the step then would
+# leave its task waiting forever for a step that never ran: the step always runs, and the sync's
+# exception is raised as if it had come right after the step. Same rules as the C versions.
+
+_EXIT = (SystemExit, KeyboardInterrupt)
+
+
+def _prevailing(step: BaseException, sync: BaseException) -> BaseException:
+    # Of the step's exception and the sync's (raised "after" it), the one that propagates, with
+    # the other as its __context__: the sync's, unless only the step's is an exit exception.
+    winner, loser = (
+        (step, sync) if isinstance(step, _EXIT) and not isinstance(sync, _EXIT) else (sync, step)
+    )
+    if winner is not loser:
+        winner.__context__ = loser
+    return winner
+
+
+def _run_despite(handle: asyncio.Handle, failure: BaseException) -> None:
+    # The handle's sync raised ``failure``: run it anyway. asyncio's own _run lets only exit
+    # exceptions out; then the failure goes the way a failing callback's would (as the C hook
+    # that replaces asyncio's _run does), or propagates from any other _run.
+    try:
+        _orig_handle_run(handle)
+    except BaseException as raised:
+        raise _prevailing(raised, failure)  # noqa: B904 - chained by _prevailing
+    if _report_sync_failure is None or isinstance(failure, _EXIT):
+        raise failure
+    try:
+        raise failure
+    except BaseException as exc:  # reported while being handled, as asyncio's except block does
+        _report_sync_failure(handle, exc)
+
+
 def _handle_run(self: asyncio.Handle) -> None:
     # Hot path: one context lookup and one identity check per callback.
-    labels = self._context.get(LABELS, EMPTY)  # type: ignore[attr-defined]
-    if labels is not _tls.labels:
-        apply(labels)
+    try:
+        labels = self._context.get(LABELS, EMPTY)  # type: ignore[attr-defined]
+        if labels is not _tls.labels:
+            apply(labels)
+    except BaseException as failure:
+        _run_despite(self, failure)
+        return
     _orig_handle_run(self)
 
 
@@ -215,6 +256,13 @@ def _is_asyncios_own(run: Callable[..., object]) -> bool:
     )
 
 
+# How the Python hook reports a failed sync after the step: as asyncio's own _run reports a
+# failing callback, when the hooked _run is asyncio's own (as the C hook, which replaces it then).
+_report_sync_failure: Callable[[asyncio.Handle, BaseException], None] | None = (
+    _report_callback_error if _is_asyncios_own(_orig_handle_run) else None
+)
+
+
 def _handle_run_hook() -> Callable[[asyncio.Handle], None]:
     if _CHandleRunHook is None:
         return _handle_run
@@ -240,19 +288,39 @@ class _LabelledCoroutine:
         self._coro = coro
 
     def send(self, value: Any) -> Any:
-        labels = LABELS.get()
-        if labels is not _tls.labels:
-            apply(labels)
+        try:
+            labels = LABELS.get()
+            if labels is not _tls.labels:
+                apply(labels)
+        except BaseException as failure:
+            return self._step_despite(failure, self._coro.send, value)
         return self._coro.send(value)
 
     def __next__(self) -> Any:
         return self.send(None)
 
     def throw(self, *args: Any) -> Any:
-        labels = LABELS.get()
-        if labels is not _tls.labels:
-            apply(labels)
+        try:
+            labels = LABELS.get()
+            if labels is not _tls.labels:
+                apply(labels)
+        except BaseException as failure:
+            return self._step_despite(failure, self._coro.throw, *args)
         return self._coro.throw(*args)
+
+    def _step_despite(self, failure: BaseException, step: Callable[..., Any], *args: Any) -> Any:
+        # The sync raised ``failure``: take the step anyway, then raise it as if right after the
+        # step. Waiting at an await, the coroutine gets it thrown in there (as a signal arriving
+        # then would; the value it yielded is dropped); returned, it loses its value to it.
+        try:
+            step(*args)
+        except StopIteration:
+            pass
+        except BaseException as raised:
+            raise _prevailing(raised, failure)  # noqa: B904 - chained by _prevailing
+        else:
+            return self._coro.throw(failure)
+        raise failure
 
     def close(self) -> None:
         self._coro.close()
