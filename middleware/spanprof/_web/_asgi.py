@@ -221,20 +221,17 @@ class ProfilingMiddleware:
         self._excluded = settings.excluded
         tracer_provider = settings.tracer_provider
 
-        def traced(inner: ASGIApp) -> OpenTelemetryMiddleware:
-            return OpenTelemetryMiddleware(
-                inner,
-                default_span_details=_span_details,
-                server_request_hook=self._labeller,
-                tracer_provider=tracer_provider,
-                # spanprof records its own request-duration histogram; OTel's would repeat it.
-                meter_provider=NoOpMeterProvider(),
-                exclude_spans=["receive", "send"],
-            )
-
-        inner = _App(app, self._durations)
-        self._traced = traced(inner)
-        self._traced_sanitized = traced(inner)
+        # One instance for every request: _App hands the app the server's scope even when OTel
+        # is shown a sanitized copy (the retry below).
+        self._traced = OpenTelemetryMiddleware(
+            _App(app, self._durations),
+            default_span_details=_span_details,
+            server_request_hook=self._labeller,
+            tracer_provider=tracer_provider,
+            # spanprof records its own request-duration histogram; OTel's would repeat it.
+            meter_provider=NoOpMeterProvider(),
+            exclude_spans=["receive", "send"],
+        )
 
     @property
     def profiler(self) -> ProfilerBackend | None:
@@ -307,7 +304,8 @@ class ProfilingMiddleware:
             # FastAPIInstrumentor or opentelemetry-instrument already opened the server span.
             current.update_name(name)
         request = _Request(name, template, scope)
-        # One coroutine for the whole request (each extra layer costs): timing, OTel, labels.
+        # One coroutine around OTel's for the whole request (each extra layer costs): timing and
+        # labels here, the SLO mark on early exits in _App.
         durations = self._durations
         timed = kind == "http"
         status_code: int | None = None
@@ -355,7 +353,7 @@ class ProfilingMiddleware:
                         "headers; served it with those headers hidden from tracing (logged "
                         "once)",
                     )
-                    await self._traced_sanitized(_sanitized(scope), receive, send)
+                    await self._traced(_sanitized(scope), receive, send)
         except BaseException as exc:
             failure = exc
             raise
