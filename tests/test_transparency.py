@@ -8,8 +8,11 @@ import functools
 import importlib
 import importlib.util
 import json
+import threading
+import time
 import types
 from collections.abc import Generator, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 from wsgiref.util import setup_testing_defaults
 
@@ -31,6 +34,7 @@ from spanprof._labels._labelset import EMPTY, LABELS, LabelSet
 
 from .asgi_driver import websocket_session
 from .conftest import new_loop, require, run_on
+from .e2e.server import free_port
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -579,3 +583,65 @@ def test_the_wrapping_c_hook_runs_the_original_when_its_sync_fails() -> None:
     finally:
         loop.close()
     assert ran == [handle]
+
+
+def test_uvicorn_on_uvloop_without_lifespan_labels_its_first_request_too(
+    tracer_provider: TracerProvider,
+) -> None:
+    """A real uvicorn (uvloop, ``--lifespan off``) on loopback: every step of both requests."""
+    import httpx
+    import uvicorn
+
+    backend = RecorderBackend()
+    steps: dict[str, list[bool]] = {}
+    second_started: list[asyncio.Event] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if not second_started:
+            second_started.append(asyncio.Event())
+        path = scope["path"]
+        mine = steps.setdefault(path, [])
+        if path == "/first":
+            await asyncio.wait_for(second_started[0].wait(), 5)
+        else:
+            second_started[0].set()
+        for _ in range(5):
+            await asyncio.sleep(0.001)
+            own = current_labels().get("span_id")
+            mine.append(own is not None and backend.thread_labels().get("span_id") == own)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    middleware = ProfilingMiddleware(app, profiler=backend, tracer_provider=tracer_provider)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            middleware,
+            host="127.0.0.1",
+            port=port,
+            loop="uvloop",
+            lifespan="off",
+            log_level="warning",
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.started
+
+        def get(path: str) -> int:
+            return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=10).status_code
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            first = pool.submit(get, "/first")
+            time.sleep(0.2)  # the first request hooks the loop before the second arrives
+            second = pool.submit(get, "/second")
+            assert (first.result(), second.result()) == (200, 200)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        _engine.uninstall_label_engine()
+    assert steps == {"/first": [True] * 5, "/second": [True] * 5}
