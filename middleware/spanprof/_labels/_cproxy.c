@@ -32,6 +32,7 @@ static PyObject *str_tls;      /* "_tls": the engine's per-thread state */
 static PyObject *str_labels;   /* "labels": what that thread last pushed */
 static PyObject *str_throw;
 static PyObject *str_close;
+static PyObject *str_value;    /* "value": StopIteration's return value */
 static PyObject *str_slot;     /* the key of ThreadLabels' entry in each thread state's dict */
 /* set_quiet()'s marker: a thread whose state holds it is never pushed to (its profiler reads
  * that thread's labels from the running context itself). NULL until set. */
@@ -277,15 +278,158 @@ set_stop_iteration(PyObject *value)
     Py_DECREF(exc);
 }
 
+/* --- a failed label sync never drops a step ----------------------------------------------
+ *
+ * The sync before a step can raise: apply() reports the backend's Exceptions itself, but a
+ * KeyboardInterrupt or SystemExit (a signal landing in apply's Python code, a backend that
+ * exits) gets through, as does any error of the lookups here. Skipping the step then would
+ * leave its task waiting forever for a step that never ran. So the step always runs, and the
+ * sync's exception is raised as if it had come right after the step. */
+
+/* The raised exception, normalized, its traceback on it (a new reference); NULL when none. */
+static PyObject *
+take_exception(void)
+{
+    PyObject *type, *value, *tb;
+
+    PyErr_Fetch(&type, &value, &tb);
+    if (type == NULL) {
+        return NULL;
+    }
+    PyErr_NormalizeException(&type, &value, &tb);
+    Py_DECREF(type);
+    if (value == NULL) {  /* normalization always makes an instance; never true in practice */
+        Py_XDECREF(tb);
+        return NULL;
+    }
+    if (tb != NULL) {
+        PyException_SetTraceback(value, tb);
+        Py_DECREF(tb);
+    }
+    return value;
+}
+
+/* Raises `exc` (stolen) as it is: no implicit chaining to whatever is being handled. */
+static void
+raise_exception(PyObject *exc)
+{
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+}
+
+static int
+is_exit(PyObject *exc)
+{
+    return PyObject_TypeCheck(exc, (PyTypeObject *)PyExc_SystemExit) ||
+           PyObject_TypeCheck(exc, (PyTypeObject *)PyExc_KeyboardInterrupt);
+}
+
+/* Of the step's exception and the sync's (both stolen; the sync's counts as raised after the
+ * step), the one that propagates, the other as its __context__: the sync's, unless only the
+ * step's is a SystemExit or KeyboardInterrupt, which is never swallowed. */
+static PyObject *
+prevailing(PyObject *step, PyObject *sync)
+{
+    PyObject *winner = sync, *loser = step;
+
+    if (is_exit(step) && !is_exit(sync)) {
+        winner = step;
+        loser = sync;
+    }
+    if (loser == winner) {
+        Py_DECREF(loser);
+    }
+    else {
+        PyException_SetContext(winner, loser);  /* steals loser */
+    }
+    return winner;
+}
+
+/* The step ran although the sync raised `failure` (stolen); `res` is its outcome, the Python
+ * way (a value, or NULL with an exception, StopIteration when it returned). As if `failure`
+ * had been raised right after the step: a coroutine now waiting at an await gets it thrown in
+ * there (as a signal arriving then would; the value it yielded is dropped), one that returned
+ * loses its return value to it, and one that raised keeps the exception that prevails. */
+static PyObject *
+raise_after_step(ProxyObject *self, PyObject *res, PyObject *failure)
+{
+    if (res != NULL) {
+        Py_DECREF(res);
+        res = PyObject_CallMethodOneArg(self->coro, str_throw, failure);
+        Py_DECREF(failure);
+        return res;
+    }
+    if (PyErr_ExceptionMatches(PyExc_StopIteration)) {
+        PyErr_Clear();
+    }
+    else {
+        PyObject *raised = take_exception();
+        if (raised != NULL) {
+            failure = prevailing(raised, failure);
+        }
+    }
+    raise_exception(failure);
+    return NULL;
+}
+
+/* A Python-convention step result as am_send reports it: StopIteration becomes a return. */
+static PySendResult
+send_result(PyObject *res, PyObject **result)
+{
+    PyObject *stop;
+
+    if (res != NULL) {
+        *result = res;
+        return PYGEN_NEXT;
+    }
+    *result = NULL;
+    if (!PyErr_ExceptionMatches(PyExc_StopIteration)) {
+        return PYGEN_ERROR;
+    }
+    stop = take_exception();
+    if (stop == NULL) {
+        return PYGEN_ERROR;
+    }
+    *result = PyObject_GetAttr(stop, str_value);
+    Py_DECREF(stop);
+    return *result == NULL ? PYGEN_ERROR : PYGEN_RETURN;
+}
+
+/* PyIter_Send's outcome the Python way (see raise_after_step). */
+static PyObject *
+python_result(PySendResult status, PyObject *result)
+{
+    if (status != PYGEN_RETURN) {
+        return result;  /* the value yielded, or NULL with the exception set */
+    }
+    set_stop_iteration(result);
+    Py_DECREF(result);
+    return NULL;
+}
+
 /* The hot path: asyncio's C Task steps its coroutine with PyIter_Send, which lands here. */
 static PySendResult
 proxy_am_send(ProxyObject *self, PyObject *arg, PyObject **result)
 {
-    if (check_live(self) < 0 || sync_labels(self) < 0) {
+    PyObject *failure, *res;
+    PySendResult status;
+
+    if (check_live(self) < 0) {
         *result = NULL;
         return PYGEN_ERROR;
     }
-    return PyIter_Send(self->coro, arg == NULL ? Py_None : arg, result);
+    if (arg == NULL) {
+        arg = Py_None;
+    }
+    if (sync_labels(self) == 0) {
+        return PyIter_Send(self->coro, arg, result);
+    }
+    failure = take_exception();
+    status = PyIter_Send(self->coro, arg, &res);
+    if (failure == NULL) {  /* never: a failed sync leaves an exception */
+        *result = res;
+        return status;
+    }
+    return send_result(raise_after_step(self, python_result(status, res), failure), result);
 }
 
 static PyObject *
@@ -328,18 +472,23 @@ proxy_send(ProxyObject *self, PyObject *arg)
 static PyObject *
 proxy_throw(ProxyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *meth, *result;
+    PyObject *meth, *result, *failure = NULL;
 
-    if (check_live(self) < 0 || sync_labels(self) < 0) {
+    if (check_live(self) < 0) {
         return NULL;
+    }
+    if (sync_labels(self) < 0) {
+        failure = take_exception();
     }
     meth = PyObject_GetAttr(self->coro, str_throw);
     if (meth == NULL) {
-        return NULL;
+        result = NULL;
     }
-    result = PyObject_Vectorcall(meth, args, (size_t)nargs, NULL);
-    Py_DECREF(meth);
-    return result;
+    else {
+        result = PyObject_Vectorcall(meth, args, (size_t)nargs, NULL);
+        Py_DECREF(meth);
+    }
+    return failure == NULL ? result : raise_after_step(self, result, failure);
 }
 
 static PyObject *
@@ -465,6 +614,8 @@ PyDoc_STRVAR(proxy_doc,
 "Before every send/__next__/throw it reads labels_var in the current context and compares\n"
 "the value by identity with namespace['_tls'].labels (what the calling thread last pushed,\n"
 "read directly when namespace['_tls'] is a ThreadLabels); on a mismatch it calls apply(labels).\n"
+"A sync that raises never skips the step: the step runs, then the sync's exception is thrown\n"
+"into the coroutine where it now waits (or replaces its return value or exception).\n"
 "Everything else is the wrapped coroutine's.");
 
 static PyTypeObject Proxy_Type = {
@@ -540,16 +691,17 @@ slot_offset(PyObject *handle_type, const char *name)
 }
 
 /* The generic hook: sync the labels of handle._context, then call the original _run. */
-static PyObject *
-hook_call_original(HookObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+/* Syncs the labels of handle._context: 0, or -1 with an exception set. */
+static int
+hook_sync_handle(HookObject *self, PyObject *handle)
 {
     PyObject *context, *labels;
     PyObject *get_args[3];
     int status;
 
-    context = PyObject_GetAttr(args[0], str_context);
+    context = PyObject_GetAttr(handle, str_context);
     if (context == NULL) {
-        return NULL;
+        return -1;
     }
     get_args[0] = context;
     get_args[1] = self->var;
@@ -557,14 +709,37 @@ hook_call_original(HookObject *self, PyObject *const *args, size_t nargsf, PyObj
     labels = PyObject_Vectorcall(context_get, get_args, 3, NULL);
     Py_DECREF(context);
     if (labels == NULL) {
-        return NULL;
+        return -1;
     }
     status = push_if_changed(self->ns, self->apply, labels);
     Py_DECREF(labels);
-    if (status < 0) {
-        return NULL;
+    return status;
+}
+
+/* The generic hook: sync the labels of handle._context, then call the original _run. A failed
+ * sync still runs it; its exception then propagates out of _run, as if raised right after the
+ * original returned (if the original raised too, the one that prevails propagates). */
+static PyObject *
+hook_call_original(HookObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *failure, *result, *raised;
+
+    if (hook_sync_handle(self, args[0]) == 0) {
+        return PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
     }
-    return PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
+    failure = take_exception();
+    result = PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
+    if (failure == NULL) {  /* never: a failed sync leaves an exception */
+        return result;
+    }
+    if (result != NULL) {
+        Py_DECREF(result);
+    }
+    else if ((raised = take_exception()) != NULL) {
+        failure = prevailing(raised, failure);
+    }
+    raise_exception(failure);
+    return NULL;
 }
 
 /* The except block of asyncio's _run: SystemExit and KeyboardInterrupt propagate, anything
@@ -595,7 +770,8 @@ static PyObject *
 hook_vectorcall(HookObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *handle, *context, *callback, *cargs, *labels, *result;
+    PyObject *handle, *context, *callback, *cargs, *labels, *result, *raised, *reported;
+    PyObject *failure = NULL;
     int status;
 
     if (nargs != 1 || kwnames != NULL) {
@@ -623,15 +799,17 @@ hook_vectorcall(HookObject *self, PyObject *const *args, size_t nargsf, PyObject
     }
     else {
         if (PyContextVar_Get(self->var, self->empty, &labels) < 0) {
-            result = NULL;
+            status = -1;
         }
         else {
             status = push_if_changed(self->ns, self->apply, labels);
             Py_DECREF(labels);
-            result = status < 0 ? NULL
-                                : PyObject_Vectorcall(callback, &PyTuple_GET_ITEM(cargs, 0),
-                                                      (size_t)PyTuple_GET_SIZE(cargs), NULL);
         }
+        /* A failed sync never drops the step: the callback runs, then the failure goes the
+         * way a failing callback's exception goes (below). */
+        failure = status < 0 ? take_exception() : NULL;
+        result = PyObject_Vectorcall(callback, &PyTuple_GET_ITEM(cargs, 0),
+                                     (size_t)PyTuple_GET_SIZE(cargs), NULL);
         if (PyContext_Exit(context) < 0) {
             Py_CLEAR(result);
         }
@@ -641,8 +819,31 @@ hook_vectorcall(HookObject *self, PyObject *const *args, size_t nargsf, PyObject
     Py_DECREF(cargs);
     if (result != NULL) {
         Py_DECREF(result);
+    }
+    else {
+        reported = hook_report(self, handle);
+        if (reported == NULL) {
+            /* The callback's SystemExit or KeyboardInterrupt leaves the loop (or report itself
+             * failed): with a failed sync too, the exception that prevails propagates. */
+            if (failure != NULL) {
+                raised = take_exception();
+                if (raised != NULL) {
+                    raise_exception(prevailing(raised, failure));
+                }
+                else {
+                    Py_DECREF(failure);
+                }
+            }
+            return NULL;
+        }
+        Py_DECREF(reported);
+    }
+    if (failure == NULL) {
         Py_RETURN_NONE;
     }
+    /* As if the callback had raised it: SystemExit and KeyboardInterrupt leave the loop,
+     * anything else goes to the loop's exception handler. */
+    raise_exception(failure);
     return hook_report(self, handle);
 }
 
@@ -769,6 +970,8 @@ PyDoc_STRVAR(hook_doc,
 "handle_type it does the work of asyncio's own _run instead: inside handle._context, sync the\n"
 "labels the same way and call handle._callback(*handle._args); an exception other than\n"
 "SystemExit and KeyboardInterrupt goes to report(handle, exc) while being handled.\n"
+"A sync that raises never skips the callback: it runs, then the sync's exception goes the way\n"
+"a failing callback's would (with report) or propagates (without).\n"
 "Binds like a function.");
 
 static PyTypeObject Hook_Type = {
@@ -856,6 +1059,7 @@ PyInit__cproxy(void)
 
     if (intern(&str_tls, "_tls") < 0 || intern(&str_labels, "labels") < 0 ||
         intern(&str_throw, "throw") < 0 || intern(&str_close, "close") < 0 ||
+        intern(&str_value, "value") < 0 ||
         intern(&str_slot, "spanprof._labels._cproxy.ThreadLabels") < 0 ||
         intern(&str_context, "_context") < 0) {
         return NULL;

@@ -61,6 +61,8 @@ __all__ = [
     "install_label_engine",
     "installed_backend",
     "run_labelled",
+    "run_steps_hooked",
+    "steps_hooked",
     "sync",
     "uninstall_label_engine",
 ]
@@ -174,11 +176,52 @@ def installed_backend() -> ProfilerBackend | None:
 _orig_handle_run: Callable[[asyncio.Handle], None] = asyncio.Handle._run
 
 
+# --- a failed label sync never drops a step ----------------------------------------------------
+#
+# apply() reports the backend's Exceptions itself, but a KeyboardInterrupt or SystemExit (a signal
+# landing in its Python code, a backend that exits) gets through. Skipping the step then would
+# leave its task waiting forever for a step that never ran: the step always runs, and the sync's
+# exception is raised as if it had come right after the step. Same rules as the C versions.
+
+_EXIT = (SystemExit, KeyboardInterrupt)
+
+
+def _prevailing(step: BaseException, sync: BaseException) -> BaseException:
+    # Of the step's exception and the sync's (raised "after" it), the one that propagates, with
+    # the other as its __context__: the sync's, unless only the step's is an exit exception.
+    winner, loser = (
+        (step, sync) if isinstance(step, _EXIT) and not isinstance(sync, _EXIT) else (sync, step)
+    )
+    if winner is not loser:
+        winner.__context__ = loser
+    return winner
+
+
+def _run_despite(handle: asyncio.Handle, failure: BaseException) -> None:
+    # The handle's sync raised ``failure``: run it anyway. asyncio's own _run lets only exit
+    # exceptions out; then the failure goes the way a failing callback's would (as the C hook
+    # that replaces asyncio's _run does), or propagates from any other _run.
+    try:
+        _orig_handle_run(handle)
+    except BaseException as raised:
+        raise _prevailing(raised, failure)  # noqa: B904 - chained by _prevailing
+    if _report_sync_failure is None or isinstance(failure, _EXIT):
+        raise failure
+    try:
+        raise failure
+    except BaseException as exc:  # reported while being handled, as asyncio's except block does
+        _report_sync_failure(handle, exc)
+
+
 def _handle_run(self: asyncio.Handle) -> None:
     # Hot path: one context lookup and one identity check per callback.
-    labels = self._context.get(LABELS, EMPTY)  # type: ignore[attr-defined]
-    if labels is not _tls.labels:
-        apply(labels)
+    try:
+        labels = self._context.get(LABELS, EMPTY)  # type: ignore[attr-defined]
+        if labels is not _tls.labels:
+            apply(labels)
+    except BaseException as failure:
+        _run_despite(self, failure)
+        return
     _orig_handle_run(self)
 
 
@@ -210,6 +253,13 @@ def _is_asyncios_own(run: Callable[..., object]) -> bool:
     )
 
 
+# How the Python hook reports a failed sync after the step: as asyncio's own _run reports a
+# failing callback, when the hooked _run is asyncio's own (as the C hook, which replaces it then).
+_report_sync_failure: Callable[[asyncio.Handle, BaseException], None] | None = (
+    _report_callback_error if _is_asyncios_own(_orig_handle_run) else None
+)
+
+
 def _handle_run_hook() -> Callable[[asyncio.Handle], None]:
     if _CHandleRunHook is None:
         return _handle_run
@@ -235,19 +285,39 @@ class _LabelledCoroutine:
         self._coro = coro
 
     def send(self, value: Any) -> Any:
-        labels = LABELS.get()
-        if labels is not _tls.labels:
-            apply(labels)
+        try:
+            labels = LABELS.get()
+            if labels is not _tls.labels:
+                apply(labels)
+        except BaseException as failure:
+            return self._step_despite(failure, self._coro.send, value)
         return self._coro.send(value)
 
     def __next__(self) -> Any:
         return self.send(None)
 
     def throw(self, *args: Any) -> Any:
-        labels = LABELS.get()
-        if labels is not _tls.labels:
-            apply(labels)
+        try:
+            labels = LABELS.get()
+            if labels is not _tls.labels:
+                apply(labels)
+        except BaseException as failure:
+            return self._step_despite(failure, self._coro.throw, *args)
         return self._coro.throw(*args)
+
+    def _step_despite(self, failure: BaseException, step: Callable[..., Any], *args: Any) -> Any:
+        # The sync raised ``failure``: take the step anyway, then raise it as if right after the
+        # step. Waiting at an await, the coroutine gets it thrown in there (as a signal arriving
+        # then would; the value it yielded is dropped); returned, it loses its value to it.
+        try:
+            step(*args)
+        except StopIteration:
+            pass
+        except BaseException as raised:
+            raise _prevailing(raised, failure)  # noqa: B904 - chained by _prevailing
+        else:
+            return self._coro.throw(failure)
+        raise failure
 
     def close(self) -> None:
         self._coro.close()
@@ -279,6 +349,49 @@ def _labelled(coro: Coroutine[Any, Any, Any]) -> Coroutine[Any, Any, Any]:
         # install, uninstall and fork replace it: ``_tls.labels`` stays the one source of truth.
         return _CLabelledCoroutine(coro, LABELS, globals(), apply)
     return _LabelledCoroutine(coro)
+
+
+_PROXY_TYPES: tuple[type, ...] = (
+    (_LabelledCoroutine,)
+    if _CLabelledCoroutine is None
+    else (_CLabelledCoroutine, _LabelledCoroutine)
+)
+
+# Set while a task that escapes the engine runs a coroutine it hooked with run_steps_hooked.
+_STEPS_HOOKED: ContextVar[bool] = ContextVar("spanprof.steps_hooked", default=False)
+
+
+def steps_hooked() -> bool:
+    """Whether the engine syncs labels before every step of the calling task.
+
+    False only for a task on a loop whose handles cannot be patched (uvloop) that was created
+    before ``attach_loop`` gave the loop its task factory: the request that hooked the loop,
+    and any already running then (a server without lifespan, such as Django's ASGI handler).
+    Its steps run under whatever labels the last hooked step pushed, unless its code runs
+    inside ``run_steps_hooked``. Cheap enough to ask once per request.
+    """
+    if _backend is None:
+        return True
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no asyncio loop running here (trio has its own instrument)
+        return True
+    if task is None:
+        return True
+    factory = task.get_loop().get_task_factory()
+    if not isinstance(factory, _LabelTaskFactory) or not factory.wrap_coroutines:
+        return True  # the loop's handles are hooked, or the loop needs no hooks
+    return _STEPS_HOOKED.get() or isinstance(task.get_coro(), _PROXY_TYPES)
+
+
+async def run_steps_hooked(coro: Coroutine[Any, Any, T]) -> T:
+    """Await ``coro`` with the labels synced before each of its steps, as in a hooked task."""
+    token = _STEPS_HOOKED.set(True)
+    try:
+        result: T = await _labelled(coro)
+        return result
+    finally:
+        _STEPS_HOOKED.reset(token)
 
 
 _TaskFactory = Callable[..., "asyncio.Future[Any]"]

@@ -15,9 +15,10 @@ from opentelemetry.trace import INVALID_SPAN, Span
 from opentelemetry.util.http import ExcludeList
 
 from .._labels._backend import ProfilerBackend
-from .._labels._engine import apply, attach_loop
+from .._labels._engine import apply, attach_loop, run_steps_hooked, steps_hooked
 from .._labels._labelset import LABELS, LabelSet
 from .._logging import log_once
+from .._signals._duration import DurationRecorder
 from .._types import ASGIApp, Message, Receive, Scope, Send
 from ._options import MiddlewareSettings, ProfilingOptions
 from ._routes import (
@@ -38,7 +39,17 @@ __all__ = ["ProfilingMiddleware"]
 class _Request:
     """One request's state, shared by the middleware's outer layer and OTel's request hook."""
 
-    __slots__ = ("labels_token", "name", "scope", "span", "template")
+    __slots__ = (
+        "app_called",
+        "breached",
+        "finished",
+        "labels_token",
+        "name",
+        "scope",
+        "span",
+        "started",
+        "template",
+    )
 
     def __init__(self, name: str, template: str | None, scope: Scope) -> None:
         self.name = name
@@ -47,6 +58,14 @@ class _Request:
         self.scope = scope
         self.span: Span | None = None
         self.labels_token: Token[LabelSet] | None = None
+        # Whether OTel's middleware reached the app: then its failure is the app's own, and
+        # the request must never be served a second time.
+        self.app_called = False
+        self.started = time.perf_counter()
+        # When the response completed (or the app returned or raised) and whether that breached
+        # the SLO: decided while OTel's server span is still open, which it ends on its way out.
+        self.finished: float | None = None
+        self.breached: bool | None = None
 
 
 # The URL OTel matches excluded_urls against: (host, port, url).
@@ -76,15 +95,41 @@ def _sanitized(scope: Scope) -> Scope:
     return {**scope, "headers": headers}
 
 
-class _ServerScope:
-    """Hands the app the server's own scope when OTel was shown a sanitized copy."""
+class _App:
+    """What OpenTelemetry's middleware calls: the app, called exactly as the server calls it.
 
-    def __init__(self, app: ASGIApp) -> None:
+    OTel's middleware normalizes its app with asgiref's single-callable check, which takes any
+    class for an ASGI2 app; servers take a class with ``__await__`` (Starlette's
+    ``HTTPEndpoint``, ``WebSocketEndpoint``) for ASGI3. Handing OTel this layer instead keeps
+    the app's own calling convention. The layer also gives the app the server's scope when OTel
+    was shown a sanitized copy, tells the middleware that the app ran, and decides the SLO verdict
+    when the app leaves, before OTel ends the server span (an ended span takes no attributes).
+    """
+
+    __slots__ = ("app", "durations")
+
+    def __init__(self, app: ASGIApp, durations: DurationRecorder) -> None:
         self.app = app
+        self.durations = durations
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = _REQUEST.get()
-        await self.app(request.scope if request is not None else scope, receive, send)
+        if request is None:  # not a request of this middleware's (never, in practice)
+            await self.app(scope, receive, send)
+            return
+        request.app_called = True
+        try:
+            await self.app(request.scope, receive, send)
+        finally:
+            if request.finished is None and scope["type"] == "http":
+                # The app returned or raised without completing the response: OTel ends the
+                # span right after this, so mark it now.
+                request.finished = time.perf_counter()
+                span = request.span
+                if span is not None:
+                    request.breached = self.durations.mark(
+                        span, request.template, request.finished - request.started
+                    )
 
 
 class _Labeller:
@@ -176,19 +221,17 @@ class ProfilingMiddleware:
         self._excluded = settings.excluded
         tracer_provider = settings.tracer_provider
 
-        def traced(inner: ASGIApp) -> OpenTelemetryMiddleware:
-            return OpenTelemetryMiddleware(
-                inner,
-                default_span_details=_span_details,
-                server_request_hook=self._labeller,
-                tracer_provider=tracer_provider,
-                # spanprof records its own request-duration histogram; OTel's would repeat it.
-                meter_provider=NoOpMeterProvider(),
-                exclude_spans=["receive", "send"],
-            )
-
-        self._traced = traced(app)
-        self._traced_sanitized = traced(_ServerScope(app))
+        # One instance for every request: _App hands the app the server's scope even when OTel
+        # is shown a sanitized copy (the retry below).
+        self._traced = OpenTelemetryMiddleware(
+            _App(app, self._durations),
+            default_span_details=_span_details,
+            server_request_hook=self._labeller,
+            tracer_provider=tracer_provider,
+            # spanprof records its own request-duration histogram; OTel's would repeat it.
+            meter_provider=NoOpMeterProvider(),
+            exclude_spans=["receive", "send"],
+        )
 
     @property
     def profiler(self) -> ProfilerBackend | None:
@@ -229,6 +272,12 @@ class ProfilingMiddleware:
             return
         self._runtime.ensure_started()
         attach_loop()
+        if not steps_hooked():
+            # This request's task predates the loop's label hooks (uvloop without lifespan:
+            # the request that hooked it): handle it inside a coroutine proxy that syncs the
+            # labels on each of its steps, as the hooks do for every later request.
+            await run_steps_hooked(self(scope, receive, send))
+            return
         current = trace.get_current_span()
         reused = is_server_span(current)
         if reused and is_labelled_span(current):
@@ -255,27 +304,29 @@ class ProfilingMiddleware:
             # FastAPIInstrumentor or opentelemetry-instrument already opened the server span.
             current.update_name(name)
         request = _Request(name, template, scope)
-        # One coroutine for the whole request (each extra layer costs): timing, OTel, labels.
+        # One coroutine around OTel's for the whole request (each extra layer costs): timing and
+        # labels here, the SLO mark on early exits in _App.
         durations = self._durations
         timed = kind == "http"
         status_code: int | None = None
-        finished: float | None = None
-        breached: bool | None = None
-        start = time.perf_counter()
         server_send = send
 
         async def send_and_time(message: Message) -> None:
-            nonlocal status_code, finished, breached
+            nonlocal status_code
             kind = message["type"]
             if kind == "http.response.start":
                 status_code = message["status"]
-            elif kind == "http.response.body" and not message.get("more_body", False):
+            elif (
+                kind == "http.response.body"
+                and not message.get("more_body", False)
+                and request.finished is None
+            ):
                 # The last chunk of the body, streaming or not: the response is complete, and
                 # OTel ends the server span once this message has gone out, so mark it now.
-                finished = time.perf_counter()
+                request.finished = finished = time.perf_counter()
                 span = request.span
                 if span is not None:
-                    breached = durations.mark(span, template, finished - start)
+                    request.breached = durations.mark(span, template, finished - request.started)
             await server_send(message)
 
         if timed:
@@ -290,9 +341,11 @@ class ProfilingMiddleware:
                 try:
                     await self._traced(scope, receive, send)
                 except Exception:
-                    if request.span is not None:
-                        raise  # the app's own failure: the span started, the headers were fine
-                    # OpenTelemetry failed before the span started (undecodable trace
+                    if request.app_called:
+                        # The app's own failure: never serve a request twice. (Under OTel's
+                        # suppress_http_instrumentation() the app runs without a span.)
+                        raise
+                    # OpenTelemetry failed before it reached the app (undecodable trace
                     # headers): the request must not. Retry with those headers left out.
                     log_once(
                         "otel-asgi-headers",
@@ -300,7 +353,7 @@ class ProfilingMiddleware:
                         "headers; served it with those headers hidden from tracing (logged "
                         "once)",
                     )
-                    await self._traced_sanitized(_sanitized(scope), receive, send)
+                    await self._traced(_sanitized(scope), receive, send)
         except BaseException as exc:
             failure = exc
             raise
@@ -308,16 +361,17 @@ class ProfilingMiddleware:
             _leave(request)
             _REQUEST.reset(token)
             if timed:
+                finished = request.finished
                 end = time.perf_counter() if finished is None else finished
                 durations.record(
-                    end - start,
+                    end - request.started,
                     method=known_method(method),
                     route=template,
                     scheme=scope.get("scheme"),
                     status_code=status_code,
                     exc=failure,
                     span=request.span if request.span is not None else INVALID_SPAN,
-                    breached=breached,
+                    breached=request.breached,
                 )
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -5,7 +5,8 @@ A WSGI request runs in two parts: the app call, and the server iterating the ret
 request's labels and OpenTelemetry context around each part (the call, every ``next()`` and
 ``close()``) and removes them after it, so the server's own work between chunks carries no
 request labels, a server that never calls ``close()`` leaves no labels behind, and the request
-ends (span, duration) when the body is closed, so streaming bodies count in full.
+ends (span, duration) when the body is exhausted or closed, whichever comes first, so
+streaming bodies count in full.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class WSGIProfilingMiddleware:
     ``span_name`` (``GET /items/<int:item_id>``) while the app is called and while its body is
     iterated and closed. Thread-pool work and (with ``install_greenlet_labels``) gevent
     greenlets it starts inherit them. The span ends, and the request duration is recorded, when
-    the server closes the response.
+    the server has read the whole body or closed the response.
 
     ```python
     app = Flask(__name__)
@@ -135,7 +136,19 @@ class WSGIProfilingMiddleware:
             # An outer spanprof layer (ASGI or WSGI) owns this request: it keeps its name,
             # labels and duration.
             return self.app(environ, start_response)
-        return self._begin(environ).run(self.app, environ, start_response)
+        try:
+            request = self._begin(environ)
+        except Exception:
+            # OpenTelemetry's request attributes raise on some environs a real server builds
+            # (gunicorn on a unix socket takes SERVER_PORT from the Host header: "abc"). The
+            # request must not fail because its span could not be set up.
+            log_once(
+                "wsgi-span-setup",
+                "spanprof: setting up this request's span failed; it is served unlabelled "
+                "(logged once)",
+            )
+            return self.app(environ, start_response)
+        return request.run(self.app, environ, start_response)
 
     def _template(self, environ: WSGIEnvironment) -> str | None:
         resolve = self._resolve
@@ -159,6 +172,7 @@ class WSGIProfilingMiddleware:
         name = span_name(method, template if template is not None else UNMATCHED)
         current = trace.get_current_span()
         attributes: dict[str, Any] = {}
+        server_attributes = False  # whether the custom request-header attributes apply
         if is_server_span(current):
             # An outer instrumentation (OpenTelemetryMiddleware, opentelemetry-instrument)
             # already opened the server span: label that one, open no second span.
@@ -177,13 +191,19 @@ class WSGIProfilingMiddleware:
             attributes = collect_request_attributes(environ, self._semconv)
             span = self._tracer.start_span(name, parent, kind=kind, attributes=attributes)
             owns_span = True
-            if kind is SpanKind.SERVER and span.is_recording():
+            server_attributes = kind is SpanKind.SERVER
+            ctx = trace.set_span_in_context(span, parent)
+        try:
+            if server_attributes and span.is_recording():
                 custom = collect_custom_request_headers_attributes(environ)
                 if custom:
                     span.set_attributes(custom)
-            ctx = trace.set_span_in_context(span, parent)
-        labels = request_labels(span, name, with_trace_id=self._with_trace_id)
-        annotate_span(span, labels, template)
+            labels = request_labels(span, name, with_trace_id=self._with_trace_id)
+            annotate_span(span, labels, template)
+        except BaseException:
+            if owns_span:  # the request is served without it: leave no span open
+                span.end()
+            raise
         return _Request(
             self,
             span=span,
@@ -401,7 +421,14 @@ class _Body:
         return self
 
     def __next__(self) -> bytes:
-        chunk: bytes = self._request.call(self._advance)
+        try:
+            chunk: bytes = self._request.call(self._advance)
+        except StopIteration:
+            # The body is exhausted: the response is complete. End the request now, as
+            # OpenTelemetry's WSGI middleware does, for servers that never call close() (the
+            # app's close() still runs with the labels if it comes).
+            self._request.finish()
+            raise
         return chunk
 
     def _advance(self) -> bytes:
