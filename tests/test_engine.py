@@ -395,3 +395,20 @@ def test_label_set_is_immutable_and_hashable() -> None:
     assert a.merged({"x": "3"}) == {"x": "3", "y": "2"}
     assert a == {"x": "1", "y": "2"}
     assert not hasattr(a, "__setitem__")
+
+
+def test_a_half_imported_trio_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installing while another thread is still importing trio (no to_thread.run_sync yet)
+    patches nothing there and does not fail (it broke the demo's lifespan)."""
+    import types
+
+    half = types.ModuleType("trio.to_thread")
+    monkeypatch.setitem(sys.modules, "trio", types.ModuleType("trio"))
+    monkeypatch.setitem(sys.modules, "trio.to_thread", half)
+    backend = RecorderBackend()
+    spanprof.engine.install_label_engine(backend)
+    try:
+        assert spanprof.engine.installed_backend() is backend
+        assert not hasattr(half, "run_sync")
+    finally:
+        spanprof.engine.uninstall_label_engine()

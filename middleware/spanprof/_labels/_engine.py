@@ -42,17 +42,20 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from .._logging import log_once
 from ._backend import ProfilerBackend, ReadsMainThreadContext
 from ._labelset import EMPTY, LABELS, LabelSet
+from ._native import cproxy
 
-try:
+if TYPE_CHECKING:
     from ._cproxy import HandleRunHook as _CHandleRunHook
     from ._cproxy import LabelledCoroutine as _CLabelledCoroutine
     from ._cproxy import ThreadLabels as _CThreadLabels
     from ._cproxy import set_quiet as _c_set_quiet
-except ImportError:  # installed without a C compiler: the Python versions below do the same
-    _CHandleRunHook = None  # type: ignore[assignment,misc]
-    _CLabelledCoroutine = None  # type: ignore[assignment,misc]
-    _CThreadLabels = None  # type: ignore[assignment,misc]
-    _c_set_quiet = None  # type: ignore[assignment]
+elif cproxy is not None:
+    _CHandleRunHook = cproxy.HandleRunHook
+    _CLabelledCoroutine = cproxy.LabelledCoroutine
+    _CThreadLabels = cproxy.ThreadLabels
+    _c_set_quiet = cproxy.set_quiet
+else:  # no C extension here: the Python versions below do the same
+    _CHandleRunHook = _CLabelledCoroutine = _CThreadLabels = _c_set_quiet = None
 
 __all__ = [
     "apply",
@@ -482,11 +485,13 @@ _seen_trio: object = None
 def _attach_trio() -> None:
     # trio runs every task step in the task's own context and tells instruments about each.
     global _seen_trio
-    trio = sys.modules.get("trio")
-    if trio is None:
+    # Only a completely imported trio (see _patch_trio) can be running this code.
+    lowlevel = sys.modules.get("trio.lowlevel")
+    current_token = getattr(lowlevel, "current_trio_token", None)
+    if lowlevel is None or current_token is None:
         return
     try:
-        token = trio.lowlevel.current_trio_token()
+        token = current_token()
     except RuntimeError:  # not in a trio run
         return
     if token is _seen_trio:
@@ -495,7 +500,7 @@ def _attach_trio() -> None:
     if _samples_context_here():
         _tls.labels = _QUIET
     else:
-        trio.lowlevel.add_instrument(_TRIO_LABELS)
+        lowlevel.add_instrument(_TRIO_LABELS)
 
 
 def _samples_context_here() -> bool:
@@ -584,16 +589,19 @@ def _patch_anyio() -> Callable[[], None] | None:
 
 
 def _patch_trio() -> Callable[[], None] | None:
-    trio = sys.modules.get("trio")
-    if trio is None:  # imported by the app before the engine installs, or not used at all
+    # Patched only where the app already imported trio (it then serves with it). Read from
+    # sys.modules, and only once complete: another thread may be importing trio right now, and
+    # a half-initialised module has no to_thread.run_sync yet.
+    module = sys.modules.get("trio.to_thread")
+    original = getattr(module, "run_sync", None)
+    if module is None or original is None:
         return None
-    module = trio.to_thread
-    original = module.run_sync
+    patched = module
 
-    module.run_sync = _labelling(original)
+    patched.run_sync = _labelling(original)  # type: ignore[attr-defined]
 
     def restore() -> None:
-        module.run_sync = original
+        patched.run_sync = original  # type: ignore[attr-defined]
 
     return restore
 

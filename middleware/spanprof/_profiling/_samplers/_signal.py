@@ -66,16 +66,13 @@ from typing import Any
 
 from ..._labels._engine import run_labelled
 from ..._labels._labelset import EMPTY, LABELS, LabelSet
+from ..._labels._native import cproxy
 from .._window import StackTables, Window
 from ._timer import CLOCK_MONOTONIC, CLOCK_PROCESS_CPUTIME_ID, ThreadTimer
 
-_c_current_frames_gc_off: Callable[[], dict[int, FrameType]] | None
-try:
-    from ..._labels import _cproxy
-except ImportError:  # built without a compiler
-    _c_current_frames_gc_off = None
-else:
-    _c_current_frames_gc_off = _cproxy.current_frames_gc_off
+_c_current_frames_gc_off: Callable[[], dict[int, FrameType]] | None = (
+    None if cproxy is None else cproxy.current_frames_gc_off
+)
 
 __all__ = [
     "CLOCKS",
