@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+import tracemalloc
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -32,7 +33,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from spanprof import ProfilingMiddleware, current_labels
-from spanprof._local import LocalMode, SampleStore, SpanStore, detect_interface, import_app
+from spanprof._local import (
+    LocalMode,
+    SampleStore,
+    SpanStore,
+    UiServer,
+    detect_interface,
+    import_app,
+)
 from spanprof._local._cli import main as cli_main
 from spanprof._local._slo import policy_env, policy_from
 from spanprof._pprof import Frame, ProfileBuilder, decode_profile
@@ -582,6 +590,88 @@ def test_sample_store_bounds_span_ids() -> None:
         store.ingest(_push((frame, 10_000_000, (("span_id", span),))))
     totals = [store.sample_total(s) for s in ("01" * 8, "02" * 8, "03" * 8)]
     assert totals == [0, 10_000_000, 10_000_000]
+
+
+def _deep_stack(depth: int, leaf: str = "leaf_fn") -> tuple[Frame, ...]:
+    """A leaf-first stack of ``depth`` frames: ``leaf``, recursion frames, then ``main``."""
+    middle = tuple(Frame("recurse", "m.py", 10 + i % 3) for i in range(depth - 2))
+    return (Frame(leaf, "m.py", 1), *middle, Frame("main", "m.py", 99))
+
+
+def test_sample_store_cuts_deep_stacks_keeping_leaf_and_root() -> None:
+    """A 50,000-frame stack is kept as max_depth frames: leaf end, an elision marker, root end."""
+    store = SampleStore(max_depth=100)
+    span = "00000000000000aa"
+    store.ingest(_push((_deep_stack(50_000), 10_000_000, (("span_id", span),))))
+    profile = store.span(span)
+    assert profile is not None
+    [stack] = profile.stacks
+    assert len(stack) == 100
+    assert (stack[0].function, stack[-1].function) == ("leaf_fn", "main")
+    assert stack[50].function == "[49901 frames elided]"
+    assert store.status()["kept_bytes"] < 10_000
+    # Below the cap a stack is kept whole.
+    whole = _deep_stack(99)
+    store.ingest(_push((whole, 10_000_000, (("span_id", span),))))
+    assert whole in store.span(span).stacks  # type: ignore[union-attr]
+
+
+def test_sample_store_is_bounded_by_bytes_and_counts_evictions() -> None:
+    """Uploads with long names and many distinct stacks keep max_bytes, dropping oldest spans."""
+    store = SampleStore(max_bytes=512 * 1024)
+    long_name = "f" * 5_000
+    spans = [f"{i:016x}" for i in range(200)]
+    tracemalloc.start()
+    try:
+        for n, span in enumerate(spans):
+            labels = (("span_id", span),)
+            unique = [(Frame(f"{long_name}{n}.{k}", long_name, k),) for k in range(10)]
+            store.ingest(_push(*((f + _deep_stack(50), 1, labels) for f in unique)))
+        kept = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    status = store.status()
+    assert status["kept_bytes"] <= 512 * 1024
+    assert status["evicted_spans"] > 0
+    assert store.sample_total(spans[0]) == 0
+    assert store.sample_total(spans[-1]) == 10
+    # The estimate tracks what is really held (the uploads themselves are freed by now):
+    # 200 spans of 10 names of 10 KB would be 20 MB.
+    assert kept < 2 * 1024 * 1024, kept
+
+
+def test_sample_store_shares_frames_between_uploads() -> None:
+    """The same code uploaded a thousand times costs one set of frames, not a thousand."""
+    store = SampleStore()
+    for i in range(1000):
+        store.ingest(_push((_deep_stack(50), 1, (("span_id", f"{i:016x}"),))))
+    profiles = [store.span(f"{i:016x}") for i in (0, 999)]
+    first, last = (next(iter(p.stacks)) for p in profiles if p is not None)
+    assert all(a is b for a, b in zip(first, last, strict=True))
+
+
+def _ui(samples: SampleStore) -> UiServer:
+    return UiServer(SpanStore(policy_from({})), samples, port=0)
+
+
+@pytest.mark.parametrize("depth", [900, 2048, 5000])
+def test_flamegraph_api_renders_stacks_of_any_depth(depth: int) -> None:
+    """/api/flamegraph answers 200 for a deep recursion, with its leaf at the tree's bottom."""
+    samples = SampleStore()
+    span = "00000000000000aa"
+    samples.ingest(_push((_deep_stack(depth), 10_000_000, (("span_id", span),))))
+    ui = _ui(samples).start()
+    try:
+        response = httpx.get(f"http://127.0.0.1:{ui.port}/api/flamegraph?span_id={span}")
+    finally:
+        ui.stop()
+    assert response.status_code == 200, response.text[:300]
+    # json.loads recurses per level like json.dumps did: read the single chain as text.
+    body = response.text
+    assert body.count('"children": [') == min(depth, 2048) + 1
+    last = body.rpartition('{"name": ')[2]
+    assert last.startswith('"leaf_fn", "file": "m.py", "value": 10000000, "children": []}')
+    assert body.endswith("]}" * (min(depth, 2048) + 1) + "}")
 
 
 def test_slo_flags_override_the_environment_and_round_trip() -> None:

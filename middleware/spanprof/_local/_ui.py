@@ -162,6 +162,33 @@ def _ok(payload: Any, status: int = 200) -> _ApiResult:
     return status, json.dumps(payload).encode(), "application/json", {}
 
 
+def _tree_json(root: dict[str, Any]) -> str:
+    """A flame-graph tree as JSON, written without recursion.
+
+    ``json.dumps`` recurses per nesting level (two per frame), so it fails on stacks
+    that a program can legitimately reach (a 700-frame recursion).
+    """
+    out: list[str] = []
+    # Nodes still to write, and the literal text between them, in reverse order.
+    todo: list[dict[str, Any] | str] = [root]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        out.append(
+            f'{{"name": {json.dumps(item["name"])}, "file": {json.dumps(item["file"])}, '
+            f'"value": {int(item["value"])}, "children": ['
+        )
+        todo.append("]}")
+        children = item["children"]
+        for index in range(len(children) - 1, -1, -1):
+            todo.append(children[index])
+            if index:
+                todo.append(", ")
+    return "".join(out)
+
+
 class UiServer:
     """Serves the local page and its APIs from ``spans`` and ``samples`` in a thread.
 
@@ -294,7 +321,7 @@ class UiServer:
         root = self.samples.flamegraph(span_id)
         profile = self.samples.span(span_id)
         record = self.spans.span(span_id)
-        return _ok(
+        head = json.dumps(
             {
                 "span_id": span_id,
                 "now": time.time(),
@@ -302,9 +329,11 @@ class UiServer:
                 "stacks": len(profile.stacks) if profile is not None else 0,
                 "period_ns": self.samples.status()["period_ns"],
                 "span": record.to_json() if record is not None else None,
-                "root": root,
             }
         )
+        # The tree is as deep as the deepest stack: it goes in through _tree_json.
+        body = f'{head[:-1]}, "root": {_tree_json(root)}}}'
+        return 200, body.encode(), "application/json", {}
 
     def _trace(self, query: dict[str, str]) -> _ApiResult:
         trace_id = query.get("trace_id", "")
