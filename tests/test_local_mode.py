@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind
 from starlette.applications import Starlette
@@ -539,6 +540,44 @@ def test_span_store_keeps_bounded_traces() -> None:
     assert [len(store.trace(t)) for t in traces] == [0, 0, 1, 1, 1]
     assert store.request_count() == 2
     assert store.spans_seen == 5
+
+
+def test_span_store_is_bounded_by_bytes_whatever_trace_ids_clients_pick() -> None:
+    """Requests grouped into a few client-chosen traces, with huge URLs, keep max_bytes."""
+    store = SpanStore(policy_from({}, slo="10"), max_bytes=1024 * 1024)
+    provider = TracerProvider()
+    provider.add_span_processor(store)
+    tracer = provider.get_tracer("test")
+    url = "http://127.0.0.1/x?" + "q" * 50_000
+    parents = [
+        trace.set_span_in_context(
+            trace.NonRecordingSpan(
+                trace.SpanContext(0xAB00 + t, 0xCD, is_remote=True, trace_flags=trace.TraceFlags(1))
+            )
+        )
+        for t in range(4)
+    ]
+    tracemalloc.start()
+    try:
+        for i in range(3000):
+            span = tracer.start_span(
+                "GET /x" + "n" * 5000,
+                context=parents[i % 4],
+                kind=SpanKind.SERVER,
+                attributes={"http.route": "/x", "url.full": url},
+            )
+            span.end()
+        kept = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    counters = store.counters()
+    assert counters["kept_bytes"] <= 2 * 1024 * 1024
+    assert counters["evicted_requests"] > 0
+    assert kept < 6 * 1024 * 1024, kept  # unbounded, it was 3,000 x 55 KB = 165 MB
+    newest = store.requests()[-1]
+    assert len(newest.name) <= 1025
+    assert len(dict(newest.attributes)["url.full"]) <= 1025
+    assert newest.route == "/x"
 
 
 def _push(*samples: tuple[tuple[Frame, ...], int, tuple[tuple[str, str], ...]]) -> ReceivedPush:

@@ -280,6 +280,7 @@ class UiServer:
             "spans": self.spans.spans_seen,
             "requests": self.spans.request_count(),
             "breaches": self.spans.breach_count(),
+            "kept": self.spans.counters(),
             "slo": describe(self.spans.policy),
             "profiles": self.samples.status(),
         }
