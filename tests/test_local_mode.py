@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +46,8 @@ from spanprof._local import (
 )
 from spanprof._local._cli import main as cli_main
 from spanprof._local._slo import policy_env, policy_from
+from spanprof._local._ui import _tree_json
+from spanprof._logging import reset_log_once
 from spanprof._pprof import Frame, ProfileBuilder, decode_profile
 from spanprof._protowire import as_bytes, as_int, as_str, iter_fields, unpack_varints
 from spanprof._push import PushSeries
@@ -711,6 +715,157 @@ def test_flamegraph_api_renders_stacks_of_any_depth(depth: int) -> None:
     last = body.rpartition('{"name": ')[2]
     assert last.startswith('"leaf_fn", "file": "m.py", "value": 10000000, "children": []}')
     assert body.endswith("]}" * (min(depth, 2048) + 1) + "}")
+
+
+def test_tree_json_writes_any_depth_as_json_would() -> None:
+    """The flame-graph encoder matches json.dumps, and goes on where json.dumps recurses out."""
+    samples = SampleStore(max_depth=30_000)
+    samples.ingest(_push((_deep_stack(40), 5, (("span_id", "00" * 8),))))
+    samples.ingest(_push((_deep_stack(20_000), 7, (("span_id", "01" * 8),))))
+    shallow = samples.flamegraph("00" * 8)
+    assert json.loads(_tree_json(shallow)) == shallow
+    deep = samples.flamegraph("01" * 8)
+    with pytest.raises(RecursionError):
+        json.dumps(deep)
+    encoded = _tree_json(deep)
+    assert encoded.count('"children": [') == 20_001
+    assert encoded.endswith(
+        '"leaf_fn", "file": "m.py", "value": 7, "children": []' + "}]" * 20_000 + "}"
+    )
+
+
+@contextmanager
+def _page(host: str = "127.0.0.1", samples: SampleStore | None = None) -> Iterator[str]:
+    """A started UiServer on ``host`` and a free port; yields its ``host:port``."""
+    ui = UiServer(SpanStore(policy_from({})), samples or SampleStore(), host=host, port=0)
+    ui.start()
+    try:
+        yield f"{host}:{ui.port}"
+    finally:
+        ui.stop()
+
+
+def _get(authority: str, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.get(f"http://{authority}{path}", headers=headers or {}, timeout=10)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2"])
+def test_page_answers_its_own_address_and_origin_only(
+    host: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its own Host and Origin get 200; a rebinding name or another origin 403, logged once."""
+    reset_log_once()
+    with _page(host) as authority, caplog.at_level(logging.WARNING, logger="spanprof"):
+        port = authority.rpartition(":")[2]
+        assert _get(authority, "/api/status").status_code == 200
+        assert _get(authority, "/", {"Host": f"localhost:{port}"}).status_code == 200
+        own = {"Origin": f"http://{authority}"}
+        assert _get(authority, "/api/status", own).status_code == 200
+        for _ in range(3):
+            evil = _get(authority, "/api/status", {"Origin": "https://evil.example"})
+            assert evil.status_code == 403
+            rebound = _get(authority, "/api/status", {"Host": f"evil.example:{port}"})
+            assert rebound.status_code == 403
+        posted = httpx.post(f"http://{authority}/api/status", content=b"x", timeout=10)
+        assert posted.status_code == 405
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 2, refusals  # one per kind, not one per request
+
+
+def test_page_on_every_interface_accepts_addresses_but_not_names() -> None:
+    """On 0.0.0.0 any IP literal Host is fine (it cannot be rebound), a foreign name is not."""
+    with _page("0.0.0.0") as authority:
+        port = authority.rpartition(":")[2]
+        for host in (f"127.0.0.1:{port}", f"192.0.2.7:{port}", f"[::1]:{port}"):
+            assert _get(f"127.0.0.1:{port}", "/api/status", {"Host": host}).status_code == 200
+        foreign = _get(f"127.0.0.1:{port}", "/api/status", {"Host": "evil.example"})
+        assert foreign.status_code == 403
+
+
+def test_cli_warns_loudly_when_the_page_leaves_loopback(capsys: pytest.CaptureFixture[str]) -> None:
+    """--ui-host 0.0.0.0 prints a warning naming the exposure; the default prints none."""
+    argv = ["dev", "tests.test_local_mode:nothing_here", "--ui-port", "0", "--port", "0"]
+    assert cli_main([*argv, "--ui-host", "0.0.0.0"]) == 1
+    err = capsys.readouterr().err
+    assert "WARNING" in err
+    assert "every interface" in err
+    assert cli_main(argv) == 1
+    assert "WARNING" not in capsys.readouterr().err
+
+
+def _raw_get(authority: str, target: bytes) -> bytes:
+    """GET ``target`` exactly as given (httpx would normalise ``..``); the whole response."""
+    host, _, port = authority.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(
+            b"GET " + target + b" HTTP/1.1\r\nHost: " + authority.encode() + b"\r\n"
+            b"Connection: close\r\n\r\n"
+        )
+        return b"".join(iter(lambda: sock.recv(65536), b""))
+
+
+def test_static_lookup_does_not_traverse() -> None:
+    """Dot segments, encoded or not, never reach files outside the static folder."""
+    with _page() as authority:
+        for target in (
+            b"/static/../_ui.py",
+            b"/static/%2e%2e/_ui.py",
+            b"/static/..%2f_ui.py",
+            b"/static//etc/passwd",
+            b"/../../../../etc/passwd",
+        ):
+            response = _raw_get(authority, target)
+            assert response.startswith(b"HTTP/1.1 404"), (target, response[:100])
+            assert b"import" not in response
+            assert b"root:" not in response
+
+
+def test_nothing_a_client_sends_is_served_as_html_or_script() -> None:
+    """Error answers echoing a request are JSON or plain text, nosniff, never HTML."""
+    with _page() as authority:
+        not_found = _raw_get(authority, b"/%3Cscript%3Ealert(1)%3C/script%3E?x=%3Cimg%3E")
+        unparsable = _raw_get(authority, b"/<script>alert(1)</script> <img src=x>")
+    head, _, body = not_found.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404")
+    headers = head.decode().lower()
+    assert "content-type: application/json" in headers
+    assert "x-content-type-options: nosniff" in headers
+    assert "script-src 'self';" in headers
+    assert json.loads(body)["error"] == "no such page: /%3Cscript%3Ealert(1)%3C/script%3E"
+    head, _, body = unparsable.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400")
+    assert "content-type: text/plain" in head.decode().lower()
+    assert b"<script>" not in body
+
+
+def test_page_script_never_writes_html_from_data() -> None:
+    """app.js puts every name, path and label into the DOM as text, never as markup."""
+    script = (ROOT / "middleware/spanprof/_local/static/app.js").read_text()
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", ".html("):
+        assert sink not in script, sink
+    assert "textContent" in script
+    index = (ROOT / "middleware/spanprof/_local/static/index.html").read_text()
+    assert "<script>" not in index
+    assert "onclick" not in index.lower()
+
+
+def test_page_survives_a_thousand_half_open_connections() -> None:
+    """1,000 connections that send half a request open at once and leave the page answering."""
+    with _page() as authority:
+        host, _, port = authority.rpartition(":")
+        sockets = []
+        started = time.monotonic()
+        try:
+            for _ in range(1000):
+                sock = socket.create_connection((host, int(port)), timeout=5)
+                sock.sendall(b"GET /api/status HTTP/1.1\r\nHost: ")
+                sockets.append(sock)
+            assert _get(authority, "/api/status").status_code == 200
+            # With socketserver's backlog of 5, dropped SYNs made this take 150 s.
+            assert time.monotonic() - started < 20
+        finally:
+            for sock in sockets:
+                sock.close()
 
 
 def test_slo_flags_override_the_environment_and_round_trip() -> None:

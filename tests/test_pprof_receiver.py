@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import tracemalloc
 import urllib.error
 import urllib.request
@@ -480,6 +481,24 @@ def test_receiver_keeps_a_bounded_error_list(push_receiver: PushReceiver) -> Non
     finally:
         conn.close()
     assert len(push_receiver.errors) == 1000
+
+
+def test_receiver_survives_a_thousand_half_open_connections(push_receiver: PushReceiver) -> None:
+    """1,000 connections that send half a request open at once; pushes are still accepted."""
+    sockets = []
+    started = time.monotonic()
+    try:
+        for _ in range(1000):
+            sock = socket.create_connection(("127.0.0.1", push_receiver.port), timeout=5)
+            sock.sendall(b"POST " + PUSH_PATH.encode() + b" HTTP/1.1\r\nHost: ")
+            sockets.append(sock)
+        status = _post(push_receiver.url + PUSH_PATH, encode_push_request([]), _PROTO)[0]
+        assert status == 200
+        # With socketserver's backlog of 5, dropped SYNs made this take minutes.
+        assert time.monotonic() - started < 20
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 _AGENT_SCRIPT = textwrap.dedent(

@@ -103,6 +103,9 @@ def _host_name(host: str) -> str:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default backlog of 5 drops SYNs when connections arrive in a burst, and
+    # each dropped one costs its client a second or more of retransmission.
+    request_queue_size = 1024
 
     def __init__(self, address: tuple[str, int], receiver: PushReceiver) -> None:
         self.receiver = receiver
@@ -136,6 +139,9 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    # http.server answers unparsable requests with an HTML page quoting the request line.
+    error_content_type = "text/plain; charset=utf-8"
+    error_message_format = "%(code)d %(message)s\n"
     protocol_version = "HTTP/1.1"
     server_version = "spanprof-receiver"
     sys_version = ""
