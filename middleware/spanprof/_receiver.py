@@ -194,12 +194,15 @@ class _Handler(BaseHTTPRequestHandler):
         origin = self.headers.get("Origin")
         host = self.headers.get("Host")
         if origin is not None:
-            reason = f"refused a request with Origin {origin[:100]!r} (agents send none)"
+            kind, reason = (
+                "origin",
+                f"refused a request with Origin {origin[:100]!r} (agents send none)",
+            )
         elif host is not None and _host_name(host) not in receiver.host_names:
-            reason = f"refused a request for Host {host[:100]!r}"
+            kind, reason = "host", f"refused a request for Host {host[:100]!r}"
         else:
             return False
-        receiver._reject("foreign", reason)
+        receiver._reject(kind, reason)
         # The body is not read: close instead of parsing it as the next request.
         self.close_connection = True
         self._reply(403, b"forbidden\n", "text/plain; charset=utf-8")
