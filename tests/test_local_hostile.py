@@ -79,7 +79,7 @@ def make_app() -> ProfilingMiddleware:
 
 
 @contextmanager
-def _spanprof_dev(tmp: Path) -> Iterator[tuple[int, str, str, Path]]:
+def spanprof_dev(tmp: Path) -> Iterator[tuple[int, str, str, Path]]:
     """``spanprof dev`` of ``make_app``; yields (pid, app URL, page URL, log path)."""
     port, ui_port = free_port(), free_port()
     argv = [
@@ -205,7 +205,7 @@ def _leaf_to_root(node: dict[str, Any]) -> list[str]:
 @pytest.mark.timeout(240)
 def test_local_mode_survives_every_attack_within_its_memory_budget(tmp_path: Path) -> None:
     """Bomb, bad chunks, cross-site pushes, deep stacks, 50k grouped requests: bounded, served."""
-    with _spanprof_dev(tmp_path) as (pid, app, ui, log):
+    with spanprof_dev(tmp_path) as (pid, app, ui, log):
         assert httpx.get(f"{app}/deep/10", params={"seconds": 0.05}, timeout=30).status_code == 200
         settle(ui)
         receiver = get_json(f"{ui}/api/status")["receiver_url"]
