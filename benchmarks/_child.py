@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from spanprof import PyroscopeBackend
-from spanprof._receiver import PushReceiver
+from spanprof._local._receiver import PushReceiver
 
 __all__ = ["ROOT", "SinkCheck", "child_main", "pyroscope_backend", "run_child"]
 

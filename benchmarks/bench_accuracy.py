@@ -21,7 +21,7 @@ from tests.e2e.client import fire
 from tests.e2e.markers import marker_index
 from tests.e2e.server import free_port, serve, uvicorn_argv
 
-from spanprof._receiver import PushReceiver, ReceivedSample
+from spanprof._local._receiver import PushReceiver, ReceivedSample
 
 from ._report import Section, Verdict, markdown_table
 

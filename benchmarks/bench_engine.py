@@ -21,7 +21,7 @@ from typing import Any
 import uvloop
 
 import spanprof
-from spanprof._labelset import LABELS, LabelSet
+from spanprof._labels._labelset import LABELS, LabelSet
 
 from ._child import child_main, run_child
 from ._report import Section, Spread, Verdict, markdown_table
@@ -65,7 +65,7 @@ async def _batch(mode: str, backend: spanprof.ProfilerBackend, steps: int) -> in
     label_sets = [_A, _A] if mode == "unchanged" else [_A, _B]
     if engine:
         # Installed from inside the loop, so loops with compiled handles get the task factory.
-        spanprof.install_label_engine(backend)
+        spanprof.engine.install_label_engine(backend)
     try:
         tasks = []
         for labels in label_sets:
@@ -81,7 +81,7 @@ async def _batch(mode: str, backend: spanprof.ProfilerBackend, steps: int) -> in
         return time.thread_time_ns() - start
     finally:
         if engine:
-            spanprof.uninstall_label_engine()
+            spanprof.engine.uninstall_label_engine()
 
 
 def measure(

@@ -34,7 +34,7 @@ import httpx
 from tests.e2e.analysis import Attribution, attribute
 from tests.e2e.server import free_port, serve, uvicorn_argv
 
-from spanprof._receiver import PushReceiver
+from spanprof._local._receiver import PushReceiver
 
 from ._child import ROOT
 from ._report import Section, Spread, Verdict, markdown_table, paired_ratios
@@ -142,8 +142,8 @@ def _child(argv: list[str]) -> None:
     from opentelemetry.sdk.trace import TracerProvider
 
     import spanprof
-    from spanprof._exact import ExactBackend
-    from spanprof._runtime import ProfilerRuntime
+    from spanprof._profiling._exact import ExactBackend
+    from spanprof._profiling._runtime import ProfilerRuntime
 
     # The per-request benchmark's app and request, so both measure the same thing.
     from .bench_request import SCOPE, _discard, _receive, _starlette

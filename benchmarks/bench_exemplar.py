@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import INVALID_SPAN, set_span_in_context
 
 from spanprof import SloPolicy
-from spanprof._duration import DURATION_BUCKETS, DurationRecorder
+from spanprof._signals._duration import DURATION_BUCKETS, DurationRecorder
 
 from ._report import Section, Spread, Verdict, markdown_table
 

@@ -20,7 +20,7 @@ import httpx
 from tests.e2e.faults import FAULT_MODES, faulty_endpoint
 from tests.e2e.server import free_port, serve, uvicorn_argv
 
-from spanprof._receiver import PushReceiver
+from spanprof._local._receiver import PushReceiver
 
 from ._report import Section, Spread, markdown_table
 

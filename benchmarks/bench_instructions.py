@@ -62,8 +62,8 @@ _TOTALS = re.compile(r"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
 
 def _ablate(piece: str) -> None:
     """Take ``piece`` (a key of ``ABLATIONS``) out of spanprof's request path."""
-    import spanprof._asgi as asgi
-    from spanprof._labelset import LabelSet
+    import spanprof._web._asgi as asgi
+    from spanprof._labels._labelset import LabelSet
 
     # Replaced where the request path looks them up: _asgi's module namespace.
     if piece == "attributes":
@@ -89,7 +89,7 @@ def _child_request(variant: str, count: int) -> None:
     loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(_check(variant, built))
-        spanprof.uninstall_label_engine()
+        spanprof.engine.uninstall_label_engine()
         loop.run_until_complete(_batch(built, 200))  # warm-up: caches, first-request work
         loop.run_until_complete(_batch(built, count))
     finally:

@@ -203,11 +203,11 @@ async def _drive(app: ASGIApp, count: int) -> int:
 async def _batch(variant: _Variant, count: int) -> int:
     if variant.engine is None:
         return await _drive(variant.app, count)
-    spanprof.install_label_engine(variant.engine)
+    spanprof.engine.install_label_engine(variant.engine)
     try:
         return await _drive(variant.app, count)
     finally:
-        spanprof.uninstall_label_engine()
+        spanprof.engine.uninstall_label_engine()
 
 
 async def _check(name: str, variant: _Variant) -> None:
@@ -237,7 +237,7 @@ def measure(
             loop.run_until_complete(_check(name, variant))
             # The middleware started its runtime (and installed the engine) on that request;
             # from here on the engine is installed only around this variant's batches.
-            spanprof.uninstall_label_engine()
+            spanprof.engine.uninstall_label_engine()
             loop.run_until_complete(_batch(variant, max(count // 5, 50)))  # warm-up
         results: dict[str, list[float]] = {name: [] for name in names}
         for index in range(rounds):

@@ -22,7 +22,7 @@ from flask import Flask, jsonify
 from flask.typing import ResponseReturnValue
 from opentelemetry.sdk.trace import TracerProvider
 
-from spanprof import FROM_ENV, ProfilerBackend, WSGIProfilingMiddleware
+from spanprof import FROM_ENV, FromEnv, ProfilerBackend, WSGIProfilingMiddleware
 
 from .telemetry import setup_telemetry
 
@@ -55,7 +55,7 @@ def reconcile_ledger(sku: str, seconds: float) -> int:
 
 def create_app(
     *,
-    profiler: ProfilerBackend | None = FROM_ENV,
+    profiler: ProfilerBackend | FromEnv | None = FROM_ENV,
     tracer_provider: TracerProvider | None = None,
     slow_share: float | None = None,
     environ: Mapping[str, str] = os.environ,

@@ -24,6 +24,7 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 # Every Pyroscope agent variable set, as a deployment would: the backends read all of them.
 AGENT_ENV = {
+    "SPANPROF_PROFILER": "pyroscope",
     "PYROSCOPE_SERVER_ADDRESS": "http://pyroscope:4040/",
     "OTEL_SERVICE_NAME": "checkout",
     "PYROSCOPE_UPLOAD_INTERVAL": "15s",
@@ -75,11 +76,11 @@ def loop_kind(request: pytest.FixtureRequest) -> str:
 def recorder() -> Iterator[spanprof.RecorderBackend]:
     """The label engine installed with a recorder backend, uninstalled afterwards."""
     backend = spanprof.RecorderBackend()
-    spanprof.install_label_engine(backend)
+    spanprof.engine.install_label_engine(backend)
     try:
         yield backend
     finally:
-        spanprof.uninstall_label_engine()
+        spanprof.engine.uninstall_label_engine()
         reset_log_once()
 
 

@@ -21,8 +21,8 @@ from starlette.websockets import WebSocket
 
 import spanprof
 from spanprof import ProfilingMiddleware, RecorderBackend, current_labels
-from spanprof._engine import attach_loop
-from spanprof._routes import starlette_route_template
+from spanprof._labels._engine import attach_loop
+from spanprof._web._routes import starlette_route_template
 
 from .asgi_driver import lifespan, websocket_session
 from .conftest import run_on
@@ -337,18 +337,18 @@ def test_lifespan_starts_and_stops_the_profiler(tracer_provider: TracerProvider)
     async def main() -> None:
         async with lifespan(app):
             assert backend.started == 1
-            assert spanprof.installed_backend() is backend
+            assert spanprof.engine.installed_backend() is backend
             async with _client(app) as client:
                 assert (await client.get("/items/1")).status_code == 200
             assert backend.started == 1
             assert backend.stopped == 0
         assert backend.stopped == 1
-        assert spanprof.installed_backend() is None
+        assert spanprof.engine.installed_backend() is None
 
     try:
         asyncio.run(main())
     finally:
-        spanprof.uninstall_label_engine()
+        spanprof.engine.uninstall_label_engine()
 
 
 def test_first_request_starts_the_profiler_without_lifespan(
@@ -368,7 +368,7 @@ def test_first_request_starts_the_profiler_without_lifespan(
         assert backend.started == 1
         assert body["thread"] == body["labels"]
     finally:
-        spanprof.uninstall_label_engine()
+        spanprof.engine.uninstall_label_engine()
 
 
 def test_failing_backend_start_never_fails_requests(
@@ -389,7 +389,7 @@ def test_failing_backend_start_never_fails_requests(
     with caplog.at_level("WARNING", logger="spanprof"):
         assert asyncio.run(main()) == [200, 200, 200]
     assert len([r for r in caplog.records if "failed to start" in r.getMessage()]) == 1
-    assert spanprof.installed_backend() is None
+    assert spanprof.engine.installed_backend() is None
 
 
 def test_non_http_scopes_pass_through(tracer_provider: TracerProvider) -> None:
@@ -463,7 +463,7 @@ def test_a_failure_to_label_never_fails_the_request(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """If building the labels raises, the request runs unlabelled, once, and it is logged once."""
-    from spanprof import _asgi
+    from spanprof._web import _asgi
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("labels broke")

@@ -85,14 +85,20 @@ def test_profiler_must_be_a_backend() -> None:
         ProfilingMiddleware(_app, profiler="pyroscope")  # type: ignore[arg-type]
 
 
-def test_spanprof_profiler_selects_the_exact_backend() -> None:
-    """SPANPROF_PROFILER=exact picks ExactBackend; pyroscope (default) the agent; else error."""
+def test_spanprof_profiler_selects_the_backend() -> None:
+    """auto (default) and exact pick ExactBackend, pyroscope the agent; anything else errs."""
     from spanprof import ExactBackend
 
     base = {"PYROSCOPE_SERVER_ADDRESS": "http://p:4040"}
     exact = ProfilingMiddleware(_app, environ={**base, "SPANPROF_PROFILER": "exact"}).profiler
     assert isinstance(exact, ExactBackend)
+    assert not exact.auto
     default = ProfilingMiddleware(_app, environ=base).profiler
-    assert isinstance(default, PyroscopeBackend)
+    assert isinstance(default, ExactBackend)
+    assert default.auto
+    auto = ProfilingMiddleware(_app, environ={**base, "SPANPROF_PROFILER": " AUTO "}).profiler
+    assert auto is default  # one exact backend per configuration and process
+    agent = ProfilingMiddleware(_app, environ={**base, "SPANPROF_PROFILER": "pyroscope"}).profiler
+    assert isinstance(agent, PyroscopeBackend)
     with pytest.raises(ValueError, match="SPANPROF_PROFILER"):
         ProfilingMiddleware(_app, environ={**base, "SPANPROF_PROFILER": "perf"})

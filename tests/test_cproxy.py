@@ -22,9 +22,10 @@ from typing import Any
 import anyio
 import pytest
 
-from spanprof import RecorderBackend, _engine, current_labels, profile_labels
-from spanprof._engine import attach_loop
-from spanprof._labelset import EMPTY, LABELS, LabelSet
+from spanprof import RecorderBackend, current_labels, profile_labels
+from spanprof._labels import _engine
+from spanprof._labels._engine import attach_loop
+from spanprof._labels._labelset import EMPTY, LABELS, LabelSet
 
 from .conftest import require, run_on
 
@@ -36,11 +37,11 @@ Op = tuple[str, Any]
 def c_types() -> tuple[Any, Any]:
     """The extension's LabelledCoroutine and ThreadLabels; skips (fails under CI) if not built."""
     require(
-        importlib.util.find_spec("spanprof._cproxy") is not None,
-        "spanprof._cproxy is not built (installed without a C compiler)",
+        importlib.util.find_spec("spanprof._labels._cproxy") is not None,
+        "spanprof._labels._cproxy is not built (installed without a C compiler)",
     )
     # Built but failing to import is a failure, not a skip.
-    module = importlib.import_module("spanprof._cproxy")
+    module = importlib.import_module("spanprof._labels._cproxy")
     return module.LabelledCoroutine, module.ThreadLabels
 
 
@@ -571,7 +572,7 @@ def test_python_fallback_keeps_labels_exact(
 def hook_type() -> Any:
     """The extension's HandleRunHook; skips (fails under CI) if the extension is not built."""
     c_types()
-    return importlib.import_module("spanprof._cproxy").HandleRunHook
+    return importlib.import_module("spanprof._labels._cproxy").HandleRunHook
 
 
 def test_engine_hooks_asyncio_handles_with_the_c_hook() -> None:
@@ -852,7 +853,7 @@ def test_a_quiet_thread_is_never_pushed_to(state_kind: str) -> None:
     """A thread whose state holds the quiet marker runs every step without calling apply();
     any other labels in the state are compared as before."""
     proxy_type, slots_type = c_types()
-    module = importlib.import_module("spanprof._cproxy")
+    module = importlib.import_module("spanprof._labels._cproxy")
     quiet = LabelSet({"spanprof_quiet": "1"})
     module.set_quiet(quiet)
     state: Any = slots_type(quiet) if state_kind == "ThreadLabels" else _Local()

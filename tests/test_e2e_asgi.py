@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from spanprof._receiver import PushReceiver
+from spanprof._local._receiver import PushReceiver
 
 from .e2e.analysis import attribute
 from .e2e.client import fire

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,11 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from spanprof._receiver import PushReceiver
+from spanprof._local._receiver import PushReceiver
 
 from .conftest import require
 from .e2e.analysis import attribute
-from .e2e.server import free_port, serve, uvicorn_argv
+from .e2e.server import free_port, hypercorn_argv, serve, uvicorn_argv
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engine]
 
@@ -30,14 +31,39 @@ async def _fire(base: str, count: int) -> tuple[dict[int, dict[str, Any]], dict[
     return {i: response.json() for i, response in enumerate(responses)}, stats
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_exact_profiler_attributes_every_sample_to_its_request(loop: str, tmp_path: Path) -> None:
+SERVERS = {
+    "uvicorn-asyncio": lambda port: uvicorn_argv("tests.e2e.exact_app:app", port, "asyncio"),
+    "uvicorn-uvloop": lambda port: uvicorn_argv("tests.e2e.exact_app:app", port, "uvloop"),
+    "hypercorn-asyncio": lambda port: hypercorn_argv("tests.e2e.exact_app:app", port, "asyncio"),
+    "hypercorn-trio": lambda port: hypercorn_argv("tests.e2e.exact_app:app", port, "trio"),
+}
+
+
+@pytest.mark.parametrize(
+    ("server", "profiler"),
+    [
+        # SPANPROF_PROFILER unset: the default a user gets from the README's quickstart.
+        ("uvicorn-asyncio", None),
+        ("uvicorn-uvloop", None),
+        ("hypercorn-asyncio", None),
+        ("hypercorn-trio", None),
+        ("uvicorn-asyncio", "exact"),
+        ("uvicorn-uvloop", "exact"),
+    ],
+)
+def test_exact_profiler_attributes_every_sample_to_its_request(
+    server: str, profiler: str | None, tmp_path: Path
+) -> None:
     """>= 99% of request CPU carries exactly its labels; shares match measured CPU to 3 points."""
     require(sys.platform.startswith("linux"), "the exact profiler needs Linux thread CPU clocks")
+    if server.startswith("hypercorn"):
+        require(importlib.util.find_spec("hypercorn") is not None, "hypercorn is not installed")
+    if server.endswith("trio"):
+        require(importlib.util.find_spec("trio") is not None, "trio is not installed")
     port = free_port()
     with PushReceiver() as receiver:
         env = {
-            "SPANPROF_PROFILER": "exact",
+            **({"SPANPROF_PROFILER": profiler} if profiler is not None else {}),
             "PYROSCOPE_SERVER_ADDRESS": receiver.url,
             "PYROSCOPE_APPLICATION_NAME": "e2e-exact",
             "PYROSCOPE_UPLOAD_INTERVAL": "1",
@@ -45,17 +71,17 @@ def test_exact_profiler_attributes_every_sample_to_its_request(loop: str, tmp_pa
             "PYROSCOPE_SAMPLE_RATE": "250",
         }
         with serve(
-            uvicorn_argv("tests.e2e.exact_app:app", port, loop),
+            SERVERS[server](port),
             health_url=f"http://127.0.0.1:{port}/health",
             env=env,
-            log_path=tmp_path / "uvicorn.log",
+            log_path=tmp_path / "server.log",
         ):
             results, stats = asyncio.run(_fire(f"http://127.0.0.1:{port}", CONCURRENCY))
         # The last window was flushed at lifespan shutdown, before the server exited.
         samples = receiver.samples()
         pushes = receiver.received_pushes()
         assert receiver.errors == []
-    log = (tmp_path / "uvicorn.log").read_text()
+    log = (tmp_path / "server.log").read_text()
     assert "Traceback" not in log, log
     assert stats["mode"] == "exact", stats
     assert stats["errors"] == 0, stats
@@ -67,7 +93,7 @@ def test_exact_profiler_attributes_every_sample_to_its_request(loop: str, tmp_pa
     assert all(set(labels) == {"span_id", "trace_id", "span_name"} for labels in expected.values())
 
     result = attribute(samples, expected, keys=("span_id", "trace_id", "span_name"))
-    print(loop, result.summary(), stats)
+    print(server, profiler, result.summary(), stats)
     assert len(result.per_request) == CONCURRENCY, result.summary()
     assert result.exact_share >= 0.99, result.summary()
     assert result.double_span == 0, result.summary()

@@ -13,8 +13,9 @@ import anyio.to_thread
 import pytest
 
 import spanprof
-from spanprof import LabelSet, RecorderBackend, _engine, current_labels, profile_labels
-from spanprof._engine import attach_loop
+from spanprof import LabelSet, RecorderBackend, current_labels, profile_labels
+from spanprof._labels import _engine
+from spanprof._labels._engine import attach_loop
 
 from .conftest import run_on
 
@@ -270,7 +271,7 @@ def test_backend_failure_never_reaches_the_caller(caplog: pytest.LogCaptureFixtu
         def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
             raise RuntimeError("profiler down")
 
-    spanprof.install_label_engine(Broken())
+    spanprof.engine.install_label_engine(Broken())
     try:
 
         async def main() -> int:
@@ -284,7 +285,7 @@ def test_backend_failure_never_reaches_the_caller(caplog: pytest.LogCaptureFixtu
         with caplog.at_level("WARNING", logger="spanprof"):
             assert asyncio.run(main()) == 50
     finally:
-        spanprof.uninstall_label_engine()
+        spanprof.engine.uninstall_label_engine()
     failures = [r for r in caplog.records if "failed to switch labels" in r.getMessage()]
     assert len(failures) == 1
 
@@ -297,13 +298,13 @@ def test_install_twice_and_uninstall_restore_originals() -> None:
         anyio.to_thread.run_sync,
     )
     backend = RecorderBackend()
-    spanprof.install_label_engine(backend)
-    spanprof.install_label_engine(backend)
-    assert spanprof.installed_backend() is backend
+    spanprof.engine.install_label_engine(backend)
+    spanprof.engine.install_label_engine(backend)
+    assert spanprof.engine.installed_backend() is backend
     assert asyncio.Handle._run is not originals[0]
-    spanprof.uninstall_label_engine()
-    spanprof.uninstall_label_engine()
-    assert spanprof.installed_backend() is None
+    spanprof.engine.uninstall_label_engine()
+    spanprof.engine.uninstall_label_engine()
+    assert spanprof.engine.installed_backend() is None
     assert (
         asyncio.Handle._run,
         concurrent.futures.ThreadPoolExecutor.submit,
@@ -330,14 +331,14 @@ def test_main_thread_loops_get_a_step_hook_unless_the_backend_reads_their_contex
         attach_loop()
         factories[where] = asyncio.get_running_loop().get_task_factory()
 
-    spanprof.install_label_engine(backend)
+    spanprof.engine.install_label_engine(backend)
     try:
         run_on("uvloop", lambda: probe("main"))
         thread = threading.Thread(target=run_on, args=("uvloop", lambda: probe("thread")))
         thread.start()
         thread.join()
     finally:
-        spanprof.uninstall_label_engine()
+        spanprof.engine.uninstall_label_engine()
     assert (factories["main"] is None) is reads_context, factories
     assert factories["thread"] is not None, factories
 
@@ -366,12 +367,12 @@ def test_no_pushes_for_the_main_thread_when_the_backend_reads_its_context(
             await asyncio.get_running_loop().run_in_executor(None, job)
 
     async def scenario() -> None:
-        spanprof.install_label_engine(backend)
+        spanprof.engine.install_label_engine(backend)
         try:
             backend.clear()
             await asyncio.gather(*(request(i) for i in range(3)))
         finally:
-            spanprof.uninstall_label_engine()
+            spanprof.engine.uninstall_label_engine()
 
     run_on(loop_kind, scenario)
     from_main = [labels for ident, labels in backend.switches if ident == main]

@@ -21,22 +21,23 @@ from urllib.parse import urlsplit
 import pytest
 
 import spanprof
-from spanprof._engine import run_labelled
-from spanprof._exact import ExactBackend, profiler_from_env
-from spanprof._labelset import EMPTY, LabelSet
-from spanprof._pprof import decode_profile
-from spanprof._pusher import Pusher, WindowEncoder, series_labels
-from spanprof._pyroscope import PyroscopeBackend
-from spanprof._receiver import PushReceiver
-from spanprof._runtime import ProfilerRuntime
-from spanprof._sampler import (
+from spanprof._labels._engine import run_labelled
+from spanprof._labels._labelset import EMPTY, LabelSet
+from spanprof._labels._scope import labels_scope
+from spanprof._local._receiver import PushReceiver
+from spanprof._profiling._choose import profiler_from_env
+from spanprof._profiling._encoders._pprof import decode_profile
+from spanprof._profiling._encoders._window import WindowEncoder, series_labels
+from spanprof._profiling._exact import ExactBackend
+from spanprof._profiling._exporters._pusher import Pusher
+from spanprof._profiling._pyroscope import PyroscopeBackend
+from spanprof._profiling._runtime import ProfilerRuntime
+from spanprof._profiling._samplers._signal import (
     Sampler,
     SamplerUnavailable,
     SignalInUse,
-    Window,
-    _Tables,
 )
-from spanprof._scope import labels_scope
+from spanprof._profiling._window import StackTables, Window
 
 from .conftest import AGENT_ENV, require, run_on
 from .e2e.markers import MARKERS, marker_index
@@ -86,7 +87,7 @@ def test_sampler_reads_the_running_tasks_labels_at_sample_time(
     sampler: Sampler, loop_kind: str
 ) -> None:
     """Tasks switching every 0.2 ms get their own labels on every sample, with no engine."""
-    assert spanprof.installed_backend() is None
+    assert spanprof.engine.installed_backend() is None
 
     used: list[float] = []
 
@@ -173,7 +174,7 @@ class _SamplerBackend:
 @pytest.mark.engine
 def test_short_pool_jobs_are_booked_to_their_labels_and_function(sampler: Sampler) -> None:
     """Jobs shorter than a tick still count, in full, under their labels and function."""
-    spanprof.install_label_engine(_SamplerBackend(sampler))
+    spanprof.engine.install_label_engine(_SamplerBackend(sampler))
     try:
         sampler.start()
 
@@ -186,7 +187,7 @@ def test_short_pool_jobs_are_booked_to_their_labels_and_function(sampler: Sample
         thread.join()
         sampler.stop()
     finally:
-        spanprof.uninstall_label_engine()
+        spanprof.engine.uninstall_label_engine()
     window = sampler.take_window()
     by_marker = _by_marker(window)
     for index in range(4):
@@ -361,7 +362,7 @@ def _root() -> None:
 
 def _window(labels: LabelSet, value: int = 10_000_000) -> Window:
     """A one-sample window: ``_leaf`` called from ``_root``, under ``labels``."""
-    tables = _Tables()
+    tables = StackTables()
     sid = tables.stack_of(
         tuple(tables.raw_frame(f.__code__, 0, f.__code__.co_firstlineno) for f in (_leaf, _root))
     )
@@ -428,7 +429,7 @@ def test_pusher_retries_with_growing_backoff_after_server_errors() -> None:
     with PushReceiver() as receiver, _Front(receiver.url, [500, 503, 502]) as front:
         pusher = _pusher(front.url, upload_interval=0.1)
         windows = iter([_window(_labels(0))])
-        pusher.start(lambda: next(windows, Window(time.time_ns(), _Tables())))
+        pusher.start(lambda: next(windows, Window(time.time_ns(), StackTables())))
         assert receiver.wait_for(lambda r: r.pushes >= 1, timeout=10)
         pusher.stop()
         stats = pusher.stats()
@@ -503,7 +504,7 @@ def test_stop_gives_up_after_the_flush_timeout_when_the_server_is_down() -> None
 
 def test_window_encoding_steps_stay_short_and_lose_nothing() -> None:
     """4,000 distinct deep samples encode in steps of < 2 ms CPU into several profiles."""
-    tables = _Tables()
+    tables = StackTables()
     codes = [fn.__code__ for fn in (_leaf, _root, _labels, _window, _windows, _pusher)]
     window = Window(time.time_ns(), tables)
     for n in range(4000):
@@ -554,7 +555,7 @@ def test_exact_backend_pushes_exact_labels_and_flushes_on_shutdown() -> None:
         runtime.start()
         try:
             assert (backend.mode, backend.needs_step_hooks) == ("exact", False)
-            assert spanprof.installed_backend() is backend
+            assert spanprof.engine.installed_backend() is backend
             with labels_scope(_labels(7)):
                 MARKERS[7](0.2)
         finally:
@@ -573,10 +574,10 @@ def test_exact_backend_pushes_exact_labels_and_flushes_on_shutdown() -> None:
 _FALLBACK_SCRIPT = """
 import asyncio, logging, sys, threading
 import spanprof
-from spanprof._exact import ExactBackend
-from spanprof._runtime import ProfilerRuntime
-from spanprof._scope import labels_scope
-from spanprof._labelset import LabelSet
+from spanprof._profiling._exact import ExactBackend
+from spanprof._profiling._runtime import ProfilerRuntime
+from spanprof._labels._scope import labels_scope
+from spanprof._labels._labelset import LabelSet
 from tests.e2e.markers import MARKERS
 
 logging.basicConfig(level=logging.WARNING)
@@ -624,7 +625,7 @@ def test_exact_backend_falls_back_to_pyroscope_outside_the_main_thread(tmp_path:
         samples = [s for s in receiver.samples() if s.has_function("burn_request_09")]
     assert "mode pyroscope True" in proc.stdout
     assert "loop-thread" in proc.stderr
-    assert "Falling back to pyroscope-io" in proc.stderr
+    assert "profiling with pyroscope-io and the label engine" in proc.stderr
     assert pushes
     assert all(p.user_agent.startswith("pyroscope-rs") for p in pushes)
     assert any(s.label_values("span_id") == ("00000000000000aa",) for s in samples)
@@ -632,10 +633,10 @@ def test_exact_backend_falls_back_to_pyroscope_outside_the_main_thread(tmp_path:
 
 _FORK_SCRIPT = """
 import os, sys
-from spanprof._exact import ExactBackend
-from spanprof._runtime import ProfilerRuntime
-from spanprof._scope import labels_scope
-from spanprof._labelset import LabelSet
+from spanprof._profiling._exact import ExactBackend
+from spanprof._profiling._runtime import ProfilerRuntime
+from spanprof._labels._scope import labels_scope
+from spanprof._labels._labelset import LabelSet
 from tests.e2e.markers import MARKERS
 
 backend = ExactBackend(
@@ -728,10 +729,13 @@ def test_bad_profiler_settings_name_the_variable(environ: dict[str, str], variab
 
 
 def test_profiler_from_env_selects_the_backend() -> None:
-    """pyroscope-io by default, the exact profiler with SPANPROF_PROFILER=exact."""
-    assert isinstance(profiler_from_env(AGENT_ENV), PyroscopeBackend)
+    """The exact profiler by default (auto) and with exact; pyroscope-io with pyroscope."""
+    default = profiler_from_env({k: v for k, v in AGENT_ENV.items() if k != "SPANPROF_PROFILER"})
+    assert isinstance(default, ExactBackend)
+    assert default.auto
     exact = profiler_from_env({**AGENT_ENV, "SPANPROF_PROFILER": " Exact "})
     assert isinstance(exact, ExactBackend)
+    assert not exact.auto
     assert isinstance(
         profiler_from_env({**AGENT_ENV, "SPANPROF_PROFILER": "pyroscope"}), PyroscopeBackend
     )

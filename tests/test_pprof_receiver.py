@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from spanprof._local._receiver import PushReceiver, ReceivedPush
 from spanprof._logging import reset_log_once
-from spanprof._pprof import (
-    Frame,
+from spanprof._profiling._encoders._pprof import (
     InflatedTooLargeError,
     Profile,
     ProfileBuilder,
@@ -31,7 +31,7 @@ from spanprof._pprof import (
     decode_profile,
     encode_profile,
 )
-from spanprof._protowire import (
+from spanprof._profiling._encoders._protowire import (
     WIRE_LEN,
     as_bytes,
     as_int,
@@ -43,7 +43,7 @@ from spanprof._protowire import (
     put_varint_field,
     unpack_varints,
 )
-from spanprof._push import (
+from spanprof._profiling._encoders._push import (
     PUSH_CONTENT_TYPE,
     PUSH_PATH,
     PushDecodeError,
@@ -51,7 +51,7 @@ from spanprof._push import (
     decode_push_request,
     encode_push_request,
 )
-from spanprof._receiver import PushReceiver, ReceivedPush
+from spanprof._profiling._window import Frame
 
 SPAN_ID = "0123456789abcdef"
 TRACE_ID = "0123456789abcdef0123456789abcdef"

@@ -20,8 +20,8 @@ from starlette.routing import Route
 
 import spanprof
 from spanprof import ProfilingMiddleware, RecorderBackend, current_labels, profile_labels
-from spanprof._engine import attach_loop
-from spanprof._labelset import sanitize_value
+from spanprof._labels._engine import attach_loop
+from spanprof._labels._labelset import sanitize_value
 
 SAFE_VALUE = set(map(chr, range(0x21, 0x7F))) - set("\"'\\=,") | {" "}
 
@@ -224,7 +224,7 @@ def test_any_nesting_ends_with_the_labels_it_began_with(
     from .conftest import run_on
 
     recorder = RecorderBackend()
-    spanprof.install_label_engine(recorder)
+    spanprof.engine.install_label_engine(recorder)
     mismatches: list[str] = []
 
     def check(where: str) -> None:
@@ -264,7 +264,7 @@ def test_any_nesting_ends_with_the_labels_it_began_with(
         assert mismatches == []
         assert recorder.labelled_threads() == {}
     finally:
-        spanprof.uninstall_label_engine()
+        spanprof.engine.uninstall_label_engine()
 
 
 def test_engine_coexists_with_another_task_factory(loop_kind: str) -> None:
@@ -282,13 +282,13 @@ def test_engine_coexists_with_another_task_factory(loop_kind: str) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         loop.set_task_factory(user_factory)
-        spanprof.install_label_engine(recorder)
+        spanprof.engine.install_label_engine(recorder)
         try:
             with profile_labels(req="1"):
                 seen = await asyncio.create_task(asyncio.sleep(0, dict(recorder.thread_labels())))
             assert loop.get_task_factory() is not user_factory
         finally:
-            spanprof.uninstall_label_engine()
+            spanprof.engine.uninstall_label_engine()
         assert loop.get_task_factory() is user_factory
         assert seen == {"req": "1"}
         assert created == ["user"]
@@ -306,7 +306,7 @@ import asyncio, os, sys
 import spanprof
 from spanprof import RecorderBackend, profile_labels, current_labels
 rec = RecorderBackend()
-spanprof.install_label_engine(rec)
+spanprof.engine.install_label_engine(rec)
 with profile_labels(parent="yes"):
     pid = os.fork()
     if pid == 0:

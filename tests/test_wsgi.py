@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
+import subprocess
 import sys
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from wsgiref.handlers import SimpleHandler
 from wsgiref.util import FileWrapper, setup_testing_defaults
@@ -663,15 +666,15 @@ def test_first_request_starts_the_profiler_once(tracer_provider: TracerProvider)
     backend = RecorderBackend()
     app = wrap_flask(flask_app(), tracer_provider, profiler=backend)
     assert backend.started == 0
-    assert spanprof.installed_backend() is None
+    assert spanprof.engine.installed_backend() is None
     try:
         with client(app) as http:
             bodies = [http.get("/items/1").json() for _ in range(3)]
         assert backend.started == 1
-        assert spanprof.installed_backend() is backend
+        assert spanprof.engine.installed_backend() is backend
         assert all(body["thread"] == body["labels"] for body in bodies)
     finally:
-        spanprof.uninstall_label_engine()
+        spanprof.engine.uninstall_label_engine()
 
 
 # --- greenlets ----------------------------------------------------------------------------------
@@ -780,3 +783,36 @@ def test_greenlet_spawned_by_a_request_runs_with_its_labels(
     assert body["child"]["labels"] == expected
     assert body["child"]["thread"] == expected
     assert_nothing_leaked(recorder)
+
+
+_GEVENT_FIRST_REQUESTS = """
+import spanprof  # before patching, as with gunicorn's --preload: the runtime's lock is a real one
+from spanprof._profiling._runtime import ProfilerRuntime
+
+class Yielding(spanprof.RecorderBackend):
+    def start(self):
+        import gevent
+        gevent.sleep(0.05)  # starting yields, like the exact backend starting its uploader
+        super().start()
+
+runtime = ProfilerRuntime(Yielding())
+
+from gevent import monkey
+monkey.patch_all()
+import gevent
+
+greenlets = [gevent.spawn(runtime.ensure_started) for _ in range(2)]
+gevent.joinall(greenlets, timeout=10)
+print("started", runtime.backend.started, all(g.ready() for g in greenlets))
+"""
+
+
+def test_two_first_requests_in_greenlets_do_not_deadlock(tmp_path: Path) -> None:
+    """Under gevent with a preloaded app, a second first request waits without blocking the
+    worker's one thread while the first starts the profiler (it hung the worker for good)."""
+    require(importlib.util.find_spec("gevent") is not None, "gevent is not installed")
+    script = tmp_path / "first_requests.py"
+    script.write_text(_GEVENT_FIRST_REQUESTS)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "started 1 True", (proc.stdout, proc.stderr)

@@ -22,7 +22,9 @@ TEST_DEPS = [
     "pytest-timeout>=2.3",
     "anyio>=4.4",
     "httpx>=0.27",
+    "hypercorn>=0.17",
     "hypothesis>=6.100",
+    "trio>=0.25",
     "uvloop>=0.19",
     "uvicorn>=0.30",
 ]
@@ -69,8 +71,11 @@ def main() -> int:
         venv = ROOT / f".venv-{version}"
         py = venv / "bin" / "python"
         stamp = venv / ".installed"
-        # The editable install also builds spanprof._cproxy: redo it when its source changes.
-        sources = [ROOT / "pyproject.toml", ROOT / "middleware" / "spanprof" / "_cproxy.c"]
+        # The editable install also builds the C extension: redo it when its source changes.
+        sources = [
+            ROOT / "pyproject.toml",
+            ROOT / "middleware" / "spanprof" / "_labels" / "_cproxy.c",
+        ]
         newest = max(source.stat().st_mtime for source in sources)
         if not stamp.exists() or stamp.stat().st_mtime < newest:
             run([str(exe), "-m", "venv", "--clear", str(venv)])

@@ -7,15 +7,11 @@ The variables, their defaults and meanings are listed in one table in README.md
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from urllib.parse import urlsplit
-
-from ._labelset import sanitize_value, validate_key
 
 __all__ = [
     "parse_bool",
     "parse_int",
-    "parse_labels",
     "parse_seconds",
     "parse_server_address",
 ]
@@ -57,23 +53,6 @@ def parse_bool(name: str, value: str) -> bool:
     if lowered in _FALSE:
         return False
     raise ValueError(f"{name}={value!r}: expected true or false")
-
-
-def parse_labels(name: str, value: str | Mapping[str, str]) -> dict[str, str]:
-    """Static labels from ``k=v,k2=v2`` (or a mapping), with keys validated."""
-    pairs: list[tuple[str, str]]
-    if isinstance(value, str):
-        pairs = []
-        for part in value.split(","):
-            if not part.strip():
-                continue
-            key, sep, val = part.partition("=")
-            if not sep:
-                raise ValueError(f"{name}={value!r}: expected comma-separated key=value pairs")
-            pairs.append((key.strip(), val.strip()))
-    else:
-        pairs = list(value.items())
-    return {validate_key(k, setting=name): sanitize_value(v) for k, v in pairs}
 
 
 def parse_server_address(name: str, value: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from spanprof._receiver import ReceivedSample
+from spanprof._local._receiver import ReceivedSample
 
 from .markers import marker_index
 

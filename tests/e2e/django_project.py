@@ -45,7 +45,7 @@ def configure() -> None:
 
 def snapshot() -> dict[str, Any]:
     """The labels of the running code, and what the recorder backend has for this thread."""
-    backend = spanprof.installed_backend()
+    backend = spanprof.engine.installed_backend()
     thread = dict(backend.thread_labels()) if isinstance(backend, RecorderBackend) else None
     return {"labels": dict(current_labels()), "thread": thread}
 

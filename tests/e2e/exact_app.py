@@ -4,7 +4,9 @@ Request ``i`` burns ``1 + i % 2`` units of CPU in its own marker function (``bur
 as in ``markers.py``, but returning the CPU it used, measured with ``time.thread_time`` on the
 thread it ran on): handler steps and child-task steps of ``E2E_STEP_SECONDS`` (0.5 ms) separated
 by awaits, plus thread-pool jobs through Starlette's ``run_in_threadpool`` and
-``loop.run_in_executor``. The response returns the request's labels and the CPU it burnt.
+``loop.run_in_executor`` (under trio: ``trio.to_thread.run_sync``). The response returns the
+request's labels and the CPU it burnt. Written against anyio, it runs under asyncio, uvloop
+and trio (hypercorn ``--worker-class trio``).
 Unlabelled CPU burns meanwhile in a lifespan task and in a plain thread (``E2E_BACKGROUND=0``
 turns that off, for throughput runs against ``/health``).
 
@@ -20,6 +22,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+import anyio
+import anyio.lowlevel
+import sniffio
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from starlette.applications import Starlette
@@ -29,7 +34,6 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from spanprof import ProfilingMiddleware, current_labels
-from spanprof._exact import profiler_from_env
 
 from .markers import MARKER_PREFIX, background_burn
 
@@ -73,21 +77,25 @@ async def work(request: Request) -> Response:
     loop_cpu = 0.0
     for _ in range(HANDLER_STEPS * units):
         loop_cpu += marker(STEP)
-        await asyncio.sleep(0)
+        await anyio.lowlevel.checkpoint()
 
-    async def child() -> float:
+    children: list[float] = []
+
+    async def child() -> None:
         cpu = 0.0
         for _ in range(CHILD_STEPS * units):
             cpu += marker(STEP)
-            await asyncio.sleep(0)
-        return cpu
+            await anyio.lowlevel.checkpoint()
+        children.append(cpu)
 
-    loop_cpu += sum(await asyncio.gather(child(), child()))
+    async with anyio.create_task_group() as group:
+        group.start_soon(child)
+        group.start_soon(child)
+    loop_cpu += sum(children)
     pool_cpu = 0.0
-    loop = asyncio.get_running_loop()
     for job in range(POOL_JOBS * units):
         if job % 2:
-            pool_cpu += await loop.run_in_executor(None, marker, POOL_SECONDS)
+            pool_cpu += await _native_thread(marker, POOL_SECONDS)
         else:
             pool_cpu += await run_in_threadpool(marker, POOL_SECONDS)
     return JSONResponse(
@@ -98,6 +106,15 @@ async def work(request: Request) -> Response:
             "cpu": loop_cpu + pool_cpu,
         }
     )
+
+
+async def _native_thread(marker: Callable[[float], float], seconds: float) -> float:
+    # The event loop's own way to a thread, not anyio's: run_in_executor, or trio's to_thread.
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        return await trio.to_thread.run_sync(marker, seconds)
+    return await asyncio.get_running_loop().run_in_executor(None, marker, seconds)
 
 
 async def health(request: Request) -> Response:
@@ -112,10 +129,10 @@ async def stats(request: Request) -> Response:
     )
 
 
-async def _background(stop: asyncio.Event) -> None:
+async def _background(stop: anyio.Event) -> None:
     while not stop.is_set():
         background_burn(0.002)
-        await asyncio.sleep(0.01)
+        await anyio.sleep(0.01)
 
 
 def _background_thread(stop: threading.Event) -> None:
@@ -129,18 +146,18 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
     if not BACKGROUND:
         yield
         return
-    stop = asyncio.Event()
+    stop = anyio.Event()
     stop_thread = threading.Event()
-    task = asyncio.create_task(_background(stop))
     thread = threading.Thread(target=_background_thread, args=(stop_thread,), daemon=True)
     thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        stop_thread.set()
-        await task
-        thread.join()
+    async with anyio.create_task_group() as group:
+        group.start_soon(_background, stop)
+        try:
+            yield
+        finally:
+            stop.set()
+            stop_thread.set()
+    thread.join()
 
 
 app = ProfilingMiddleware(
@@ -152,5 +169,5 @@ app = ProfilingMiddleware(
         ],
         lifespan=lifespan,
     ),
-    profiler=profiler_from_env(),
+    # The default middleware, as a user writes it: the profiler from the environment.
 )

@@ -74,3 +74,11 @@ def uvicorn_argv(app: str, port: int, loop: str, *extra: str) -> list[str]:
         sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
         "--loop", loop, "--lifespan", "on", "--log-level", "warning", *extra,
     ]  # fmt: skip
+
+
+def hypercorn_argv(app: str, port: int, worker_class: str, *extra: str) -> list[str]:
+    """A hypercorn command line serving ``app`` on 127.0.0.1 (asyncio, uvloop or trio)."""
+    return [
+        sys.executable, "-m", "hypercorn", app, "--bind", f"127.0.0.1:{port}",
+        "--worker-class", worker_class, "--log-level", "warning", *extra,
+    ]  # fmt: skip

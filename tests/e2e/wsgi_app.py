@@ -9,6 +9,7 @@ its streamed body, then reports the labels it saw and the worker's pid.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -29,7 +30,11 @@ from spanprof import (
 from .markers import MARKERS
 
 STEP = float(os.environ.get("E2E_STEP_SECONDS", "0.015"))
+# Each burn is this many steps of STEP seconds, yielding to other greenlets in between.
+REPEAT = int(os.environ.get("E2E_REPEAT", "1"))
 GREENLETS = os.environ.get("E2E_GREENLETS") == "1"
+# The README's quickstart as it stands: no profiler= option, no install_greenlet_labels().
+DEFAULTS = os.environ.get("E2E_DEFAULTS") == "1"
 
 
 def backend_from_env() -> PyroscopeBackend | None:
@@ -46,12 +51,13 @@ def backend_from_env() -> PyroscopeBackend | None:
 
 
 def _pool_job(marker: Any) -> dict[str, str]:
-    marker(2 * STEP)
+    for _ in range(REPEAT):
+        marker(2 * STEP)
     return dict(current_labels())
 
 
 def _greenlet_job(marker: Any) -> dict[str, str]:
-    for _ in range(2):
+    for _ in range(2 * REPEAT):
         marker(STEP)
         time.sleep(0)  # gevent's sleep once patched: other greenlets run in between
     return dict(current_labels())
@@ -64,7 +70,7 @@ def create_app() -> Flask:
     @app.get("/burn/<int:index>")
     def burn(index: int) -> Response:
         marker = MARKERS[index]
-        for _ in range(3):
+        for _ in range(3 * REPEAT):
             marker(STEP)
             time.sleep(0)
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -77,7 +83,7 @@ def create_app() -> Flask:
         labels = dict(current_labels())
 
         def body() -> Iterator[bytes]:
-            for _ in range(2):
+            for _ in range(2 * REPEAT):
                 marker(STEP)
                 time.sleep(0)
                 yield b" "
@@ -96,14 +102,21 @@ def create_app() -> Flask:
     def health() -> str:
         return "ok"
 
-    app.wsgi_app = WSGIProfilingMiddleware(  # type: ignore[method-assign]
-        app.wsgi_app, profiler=backend_from_env()
-    )
+    if DEFAULTS:
+        app.wsgi_app = WSGIProfilingMiddleware(app.wsgi_app)  # type: ignore[method-assign]
+    else:
+        app.wsgi_app = WSGIProfilingMiddleware(  # type: ignore[method-assign]
+            app.wsgi_app, profiler=backend_from_env()
+        )
     return app
 
 
 trace.set_tracer_provider(TracerProvider())
-if GREENLETS:
+if DEFAULTS:
+    # The start-up line that says which profiler runs is INFO: show it in the server log.
+    logging.basicConfig()
+    logging.getLogger("spanprof").setLevel(logging.INFO)
+if GREENLETS and not DEFAULTS:
     # Here at import: in the master under preload_app; the hook survives the fork.
     install_greenlet_labels()
 app = create_app()

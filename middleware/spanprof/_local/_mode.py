@@ -26,8 +26,8 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
-from .._engine import installed_backend, uninstall_label_engine
-from .._receiver import PushReceiver, ReceivedPush
+from .._profiling._runtime import stop_started
+from ._receiver import PushReceiver, ReceivedPush
 from ._samples import SampleStore
 from ._slo import SloPolicy, policy_env, policy_from
 from ._spans import SpanStore
@@ -333,14 +333,7 @@ class LocalMode:
     def _flush_profiler(self) -> None:
         # ASGI lifespan shutdown already flushed; a WSGI server has no shutdown event, so send
         # the last window here, while the receiver still listens.
-        backend = installed_backend()
-        if backend is None:
-            return
-        uninstall_label_engine()
-        try:
-            backend.shutdown()
-        except Exception as exc:
-            self._errors.append(f"profiler shutdown failed: {exc!r}")
+        stop_started()
 
     # -- receiver ------------------------------------------------------------------------------
 

@@ -18,8 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._pprof import Frame, ProfileBuilder
-from .._receiver import ReceivedPush
+from .._profiling._encoders._pprof import ProfileBuilder
+from .._profiling._window import Frame
+from ._receiver import ReceivedPush
 
 __all__ = ["SampleStore", "SpanProfile"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .._duration import BREACH_ATTRIBUTE, THRESHOLD_ATTRIBUTE
-from .._slo import SloPolicy
+from .._signals._duration import BREACH_ATTRIBUTE, THRESHOLD_ATTRIBUTE
+from .._signals._slo import SloPolicy
 
 __all__ = ["SloPolicy", "describe", "judge", "policy_env", "policy_from"]
 

@@ -16,6 +16,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._window import Frame
 from ._protowire import (
     ProtoDecodeError,
     as_bytes,
@@ -30,7 +31,6 @@ from ._protowire import (
 )
 
 __all__ = [
-    "Frame",
     "InflatedTooLargeError",
     "Profile",
     "ProfileBuilder",
@@ -93,15 +93,6 @@ class ProfileDecodeError(ProtoDecodeError):
 
 class InflatedTooLargeError(ProfileDecodeError):
     """Raised when gzip-compressed input inflates past the caller's limit."""
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """One stack frame: function name, source file and line number (0 when unknown)."""
-
-    function: str
-    filename: str
-    line: int
 
 
 @dataclass(frozen=True, slots=True)

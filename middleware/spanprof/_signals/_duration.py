@@ -17,7 +17,8 @@ from opentelemetry.context import Context
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import INVALID_SPAN, Span, set_span_in_context
 
-from ._logging import log_once
+from .._logging import log_once
+from .._version import __version__
 from ._slo import SloPolicy
 
 __all__ = [
@@ -87,8 +88,6 @@ class DurationRecorder:
         slo: SloPolicy,
         extra_sinks: tuple[BreachSink, ...] = (),
     ) -> None:
-        from . import __version__
-
         meter = metrics.get_meter("spanprof", __version__, meter_provider)
         self._histogram = meter.create_histogram(
             "http.server.request.duration",

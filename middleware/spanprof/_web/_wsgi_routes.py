@@ -54,6 +54,11 @@ def flask_route_resolver(app: Any) -> WSGIRouteResolver:
             server_name = None
         elif not app.subdomain_matching:
             subdomain = url_map.default_subdomain or ""
+        if subdomain is None and server_name is not None:
+            # Werkzeug works the subdomain out itself, and warns when the host does not end in
+            # SERVER_NAME; Flask's own binding already warns for this request, and under
+            # ``-W error`` a second warning would fail the resolution. Work it out the same way.
+            subdomain = _subdomain(environ, server_name)
         adapter = url_map.bind_to_environ(environ, server_name=server_name, subdomain=subdomain)
         try:
             rule, _ = adapter.match(return_rule=True)
@@ -70,6 +75,22 @@ def flask_route_resolver(app: Any) -> WSGIRouteResolver:
         return template if isinstance(template, str) else None
 
     return resolve
+
+
+def _subdomain(environ: WSGIEnvironment, server_name: str) -> str:
+    """The subdomain ``Map.bind_to_environ`` derives from the host, without its warning."""
+    from werkzeug.wsgi import get_host
+
+    host = get_host(environ).lower()
+    configured = server_name.lower()
+    # get_host() drops the scheme's standard port; so does werkzeug from SERVER_NAME.
+    default_port = ":443" if environ.get("wsgi.url_scheme") == "https" else ":80"
+    configured = configured.removesuffix(default_port)
+    current, real = host.split("."), configured.split(".")
+    offset = -len(real)
+    if current[offset:] != real:
+        return "<invalid>"  # werkzeug's value: only wildcard subdomain rules match it
+    return ".".join(filter(None, current[:offset]))
 
 
 def django_route_resolver(urlconf: str | None = None) -> WSGIRouteResolver:

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TypedDict, cast
 
-from ._config import parse_int, parse_labels, parse_seconds, parse_server_address
+from .._config import parse_int, parse_seconds, parse_server_address
+from .._labels._labelset import parse_labels
 
 __all__ = ["PyroscopeSettings", "SettingsArguments", "WithPyroscopeSettings"]
 
@@ -102,6 +103,11 @@ class WithPyroscopeSettings:
     """A backend's settings as read-only attributes (``backend.server_address``, ...)."""
 
     _settings: PyroscopeSettings
+
+    @property
+    def settings(self) -> PyroscopeSettings:
+        """All of them, as one frozen value."""
+        return self._settings
 
     @property
     def server_address(self) -> str:

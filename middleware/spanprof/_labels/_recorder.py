@@ -16,10 +16,9 @@ class RecorderBackend:
     Plug it into the label engine (or a middleware's ``profiler=`` option) and ask, from any
     code, which labels the profiler would attach to a sample taken right now::
 
-        recorder = RecorderBackend()
-        spanprof.install_label_engine(recorder)
-        ...
-        assert recorder.thread_labels() == spanprof.current_labels()
+        with spanprof.testing.record_labels() as recorder:
+            ...
+            assert recorder.thread_labels() == spanprof.current_labels()
 
     Arguments:
         max_switches: how many label switches to keep in ``switches`` (oldest dropped first).
@@ -62,6 +61,13 @@ class RecorderBackend:
         """Every thread that currently carries labels; empty when nothing leaked."""
         with self._lock:
             return dict(self._threads)
+
+    @property
+    def labels_seen(self) -> list[LabelSet]:
+        """Every distinct non-empty label set any thread switched to, in first-seen order."""
+        with self._lock:
+            switches = list(self.switches)
+        return list(dict.fromkeys(labels for _, labels in switches if labels))
 
     def clear(self) -> None:
         """Forget recorded switches and thread labels."""

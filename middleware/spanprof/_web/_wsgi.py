@@ -11,7 +11,7 @@ ends (span, duration) when the body is closed, so streaming bodies count in full
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 from wsgiref.util import request_uri
 
@@ -30,24 +30,23 @@ from opentelemetry.instrumentation.wsgi import (
     collect_request_attributes,
     wsgi_getter,
 )
-from opentelemetry.metrics import MeterProvider
 from opentelemetry.propagate import extract
-from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
-from opentelemetry.util.http import ExcludeList, parse_excluded_urls
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from ._backend import ProfilerBackend
-from ._labelset import LabelSet
-from ._logging import log_once
-from ._prometheus import PrometheusMetrics
+from .._labels._backend import ProfilerBackend
+from .._labels._labelset import LabelSet
+from .._labels._scope import labels_scope
+from .._logging import log_once
+from .._version import __version__
+from ._options import MiddlewareSettings, ProfilingOptions
 from ._routes import UNMATCHED, known_method, span_name
-from ._scope import labels_scope
-from ._settings import FROM_ENV, MiddlewareSettings
-from ._spanlabels import annotate_span, is_server_span, request_labels
+from ._spanlabels import annotate_span, is_labelled_span, is_server_span, request_labels
 from ._wsgi_routes import WSGIRouteResolver, default_route_resolver
 
 if TYPE_CHECKING:
     from _typeshed import OptExcInfo
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
+    from typing_extensions import Unpack
 
 __all__ = ["WSGIProfilingMiddleware"]
 
@@ -77,74 +76,43 @@ class WSGIProfilingMiddleware:
 
     Arguments:
         app: the WSGI application (for Flask, ``app.wsgi_app``).
-        profiler: a ``ProfilerBackend``; default: ``PyroscopeBackend.from_env()`` (no profiler
-            when ``PYROSCOPE_SERVER_ADDRESS`` is unset); ``None``: labels without a profiler.
-            Started on the first request of each process; its last window is flushed at exit.
-        tracer_provider: the OpenTelemetry tracer provider (default: the global one).
-        trace_id_label: label samples with ``trace_id`` too (default ``True``, or
-            ``SPANPROF_TRACE_ID_LABEL``).
         route_resolver: ``environ -> template or None``; default: the routes of a Flask app
             (or its ``wsgi_app``) or of Django's ``WSGIHandler``; other apps are named
             ``<unmatched>`` without one.
-        excluded_urls: comma-separated URL patterns to leave untraced and unlabelled
-            (OpenTelemetry syntax).
-        meter_provider: where the ``http.server.request.duration`` histogram is recorded
-            (default: the global provider).
-        slo_seconds: the latency SLO of every route (default 0.5, or ``SPANPROF_SLO_SECONDS``);
-            slower requests get an exemplar with their span's ids.
-        route_slos: per-route SLOs by template (or ``SPANPROF_ROUTE_SLO``).
-        prometheus: also record the histogram (with exemplars) in this ``PrometheusMetrics``.
-        environ: the environment to read settings from (default ``os.environ``).
+        **options: the options both middlewares share (``ProfilingOptions``): ``profiler``,
+            ``tracer_provider``, ``trace_id_label``, ``excluded_urls``, ``meter_provider``,
+            ``slo``, ``slo_seconds``, ``route_slos``, ``prometheus``, ``environ``. The
+            profiler starts on the first request of each process; its last window is flushed
+            at exit.
     """
 
     def __init__(
         self,
         app: WSGIApplication,
         *,
-        profiler: ProfilerBackend | None = FROM_ENV,
-        tracer_provider: TracerProvider | None = None,
-        trace_id_label: bool | None = None,
         route_resolver: WSGIRouteResolver | None = None,
-        excluded_urls: str | None = None,
-        meter_provider: MeterProvider | None = None,
-        slo_seconds: float | None = None,
-        route_slos: Mapping[str, float] | None = None,
-        prometheus: PrometheusMetrics | None = None,
-        environ: Mapping[str, str] | None = None,
+        **options: Unpack[ProfilingOptions],
     ) -> None:
         if not callable(app):
             raise ValueError(f"app: expected a WSGI application (a callable), got {app!r}")
-        if route_resolver is not None and not callable(route_resolver):
-            raise ValueError(
-                f"route_resolver: expected a callable environ -> str | None, got {route_resolver!r}"
-            )
         self.app = app
         settings = MiddlewareSettings.build(
-            profiler=profiler,
-            trace_id_label=trace_id_label,
-            meter_provider=meter_provider,
-            slo_seconds=slo_seconds,
-            route_slos=route_slos,
-            prometheus=prometheus,
-            environ=environ,
+            "WSGIProfilingMiddleware", options, route_resolver=route_resolver, resolves="environ"
         )
         self._runtime = settings.runtime
         self._with_trace_id = settings.with_trace_id
         self._durations = settings.durations
+        tracer_provider = settings.tracer_provider
         self._resolve = (
             route_resolver if route_resolver is not None else default_route_resolver(app)
         )
-        self._excluded: ExcludeList | None = (
-            parse_excluded_urls(excluded_urls) if excluded_urls else None
-        )
+        self._excluded = settings.excluded
         _OpenTelemetrySemanticConventionStability._initialize()  # type: ignore[no-untyped-call]
         self._semconv: _StabilityMode = (
             _OpenTelemetrySemanticConventionStability._get_opentelemetry_stability_opt_in_mode(
                 _OpenTelemetryStabilitySignalType.HTTP
             )
         )
-        from . import __version__
-
         self._tracer = trace.get_tracer(
             "spanprof.wsgi",
             __version__,
@@ -161,6 +129,11 @@ class WSGIProfilingMiddleware:
         # The first request of each process, after any fork, starts the profiler.
         self._runtime.ensure_started()
         if self._excluded is not None and self._excluded.url_disabled(_request_url(environ)):
+            return self.app(environ, start_response)
+        current = trace.get_current_span()
+        if is_server_span(current) and is_labelled_span(current):
+            # An outer spanprof layer (ASGI or WSGI) owns this request: it keeps its name,
+            # labels and duration.
             return self.app(environ, start_response)
         return self._begin(environ).run(self.app, environ, start_response)
 

@@ -32,10 +32,36 @@ def _route(setting: str, template: object) -> str:
 
 @dataclass(frozen=True)
 class SloPolicy:
-    """Which duration breaches a request's SLO: ``routes`` by template, else ``default``."""
+    """Which duration breaches a request's SLO: ``routes`` by template, else ``default``.
+
+    ```python
+    slo = spanprof.SloPolicy(default=0.5, routes={"/checkout": 0.25})
+    app.add_middleware(spanprof.ProfilingMiddleware, slo=slo)
+    ```
+
+    Arguments:
+        default: seconds; the SLO of every route without its own (default 0.5).
+        routes: seconds by route template (``"/items/{item_id}"``).
+
+    A threshold that is not a positive number, or a route that is not a template starting with
+    ``/``, raises ``ValueError``.
+    """
 
     default: float = DEFAULT_SLO_SECONDS
     routes: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # A policy built by hand is checked like one built from options or the environment.
+        object.__setattr__(self, "default", _threshold("SloPolicy.default", self.default))
+        if not isinstance(self.routes, Mapping):
+            raise ValueError(f"SloPolicy.routes: expected a mapping, got {self.routes!r}")
+        routes = {
+            _route("SloPolicy.routes", template): _threshold(
+                f"SloPolicy.routes[{template!r}]", seconds
+            )
+            for template, seconds in self.routes.items()
+        }
+        object.__setattr__(self, "routes", routes)
 
     @classmethod
     def build(

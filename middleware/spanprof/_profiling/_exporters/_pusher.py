@@ -6,12 +6,11 @@ One ``POST {server}/push.v1.PusherService/Push`` per upload interval: a gzip'd `
 pprof samples carry the per-sample labels (``span_id``, ``trace_id``, ``span_name``...). Basic
 auth and the tenant header (``X-Scope-OrgID``) as the agent sends them.
 
-The window is encoded in slices of at most ~0.5 ms of CPU each, releasing the GIL in between, so
-the application's threads never wait long for the exporter: samples are added to a
-``ProfileBuilder`` a few at a time, and a window with many distinct samples becomes several
-small pprof profiles (one ``RawSample`` each) instead of one big one that takes milliseconds to
-serialise. A failed upload is retried with exponential back-off; while the server is away at
-most ``max_pending`` windows wait, and the oldest is dropped (and counted) to make room.
+The window is encoded (``_encoders._window``) in slices of at most ~0.5 ms of CPU each,
+releasing the GIL in between, so the application's threads never wait long for the exporter;
+each small pprof profile becomes one ``RawSample`` of the push. A failed upload is retried
+with exponential back-off; while the server is away at most ``max_pending`` windows wait,
+and the oldest is dropped (and counted) to make room.
 """
 
 from __future__ import annotations
@@ -20,128 +19,25 @@ import base64
 import collections
 import gzip
 import http.client
-import platform
 import random
 import signal
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
-from ._logging import log_once
-from ._pprof import ProfileBuilder
-from ._push import PUSH_CONTENT_TYPE, PUSH_PATH, encode_push_request
-from ._sampler import Window
+from ..._logging import log_once
+from ..._version import __version__
+from .._encoders._push import PUSH_CONTENT_TYPE, PUSH_PATH, encode_push_request
+from .._encoders._window import WindowEncoder
+from .._samplers._signal import in_main_os_thread
+from .._window import Window
 
-__all__ = ["Pusher", "WindowEncoder", "series_labels", "spanprof_version"]
-
-# Each slice of encoding work stops after this much time.
-STEP_BUDGET_NS = 500_000
-# A profile's build() is one step: keep profiles small enough that it stays short.
-_BUILD_TARGET_NS = 1_000_000
-_MIN_PROFILE_SAMPLES = 8
-_MAX_PROFILE_SAMPLES = 1024
+__all__ = ["Pusher"]
 
 _Outcome = Literal["ok", "retry", "reject"]
-
-
-def spanprof_version() -> str:
-    """The installed spanprof version (``0`` when not installed as a distribution)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("spanprof")
-    except metadata.PackageNotFoundError:
-        return "0"
-
-
-def series_labels(application_name: str, tags: Mapping[str, str]) -> list[tuple[str, str]]:
-    """The series labels pyroscope-io sends, with spanprof as the instrumentation scope."""
-    fixed = [("__name__", "process_cpu"), ("service_name", application_name)]
-    labels = sorted([*fixed, *tags.items()])
-    labels += [
-        ("otel.scope.name", "spanprof"),
-        ("otel.scope.version", spanprof_version()),
-        ("process.runtime.name", sys.implementation.name),
-        ("process.runtime.version", platform.python_version()),
-    ]
-    return labels
-
-
-class WindowEncoder:
-    """Turns a ``Window`` into raw pprof profiles, one bounded slice of work per ``step()``.
-
-    Arguments:
-        window: the samples to encode (no longer written by the sampler).
-        period_ns: the sampling period written into each profile.
-        budget_ns: the time after which a slice of ``ProfileBuilder.add`` calls stops.
-        max_samples: distinct samples per profile to start with; adapted so that one profile's
-            ``build()`` takes about a millisecond at most.
-    """
-
-    def __init__(
-        self,
-        window: Window,
-        *,
-        period_ns: int,
-        budget_ns: int = STEP_BUDGET_NS,
-        max_samples: int = 32,
-    ) -> None:
-        self.window = window
-        self.period_ns = period_ns
-        self.budget_ns = budget_ns
-        self.max_samples = max_samples
-        self.profiles: list[bytes] = []
-        self._items = iter(list(window.values.items()))
-        self._builder = self._new_builder()
-        self._build_next = False
-        self._exhausted = False
-
-    def _new_builder(self) -> ProfileBuilder:
-        return ProfileBuilder((("cpu", "nanoseconds"),), ("cpu", "nanoseconds"), self.period_ns)
-
-    @property
-    def done(self) -> bool:
-        """Whether every sample is in ``profiles``."""
-        return self._exhausted and not self._build_next
-
-    def step(self) -> bool:
-        """Do one slice of work; return ``True`` when the window is fully encoded."""
-        if self._build_next:
-            self._build()
-            return self.done
-        window = self.window
-        builder = self._builder
-        deadline = time.perf_counter_ns() + self.budget_ns
-        for (sid, labels), value in self._items:
-            builder.add(window.stack(sid), value, labels.items_tuple)
-            if len(builder) >= self.max_samples:
-                self._build_next = True
-                return False
-            if time.perf_counter_ns() > deadline:
-                return False
-        self._exhausted = True
-        self._build_next = len(builder) > 0
-        return self.done
-
-    def _build(self) -> None:
-        started = time.perf_counter_ns()
-        window = self.window
-        self.profiles.append(
-            self._builder.build(
-                time_nanos=window.start_ns, duration_nanos=max(0, window.end_ns - window.start_ns)
-            )
-        )
-        took = time.perf_counter_ns() - started
-        if took > _BUILD_TARGET_NS:
-            self.max_samples = max(_MIN_PROFILE_SAMPLES, self.max_samples // 2)
-        elif took < _BUILD_TARGET_NS // 4:
-            self.max_samples = min(_MAX_PROFILE_SAMPLES, self.max_samples * 2)
-        self._builder = self._new_builder()
-        self._build_next = False
 
 
 @dataclass
@@ -205,7 +101,7 @@ class Pusher:
         self._headers = {
             "Content-Type": PUSH_CONTENT_TYPE,
             "Content-Encoding": "gzip",
-            "User-Agent": f"spanprof/{spanprof_version()}",
+            "User-Agent": f"spanprof/{__version__}",
         }
         if basic_auth_username or basic_auth_password:
             token = f"{basic_auth_username}:{basic_auth_password}".encode()
@@ -269,7 +165,9 @@ class Pusher:
     # --- the upload thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        if self._block_signals:
+        # Under gevent this "thread" is a greenlet of the main thread, where the sampler's
+        # signal must stay deliverable.
+        if self._block_signals and not in_main_os_thread():
             signal.pthread_sigmask(signal.SIG_BLOCK, self._block_signals)
         next_upload = time.monotonic() + self.upload_interval
         while True:

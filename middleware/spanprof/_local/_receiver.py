@@ -23,16 +23,16 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
-from ._logging import log_once
-from ._pprof import Frame
-from ._protowire import ProtoDecodeError
-from ._push import (
+from .._logging import log_once
+from .._profiling._encoders._protowire import ProtoDecodeError
+from .._profiling._encoders._push import (
     DEFAULT_MAX_INFLATED,
     PUSH_PATH,
     PushSeries,
     PushTooLargeError,
     decode_push_request,
 )
+from .._profiling._window import Frame
 
 __all__ = ["PushReceiver", "ReceivedPush", "ReceivedSample"]
 

@@ -18,6 +18,7 @@ __all__ = [
     "LABELS",
     "RESERVED_KEYS",
     "LabelSet",
+    "parse_labels",
     "sanitize_value",
     "validate_key",
 ]
@@ -161,3 +162,20 @@ class LabelSet(Mapping[str, str]):
 EMPTY = LabelSet()
 
 LABELS: ContextVar[LabelSet] = ContextVar("spanprof.labels", default=EMPTY)
+
+
+def parse_labels(name: str, value: str | Mapping[str, str]) -> dict[str, str]:
+    """Static labels from ``k=v,k2=v2`` (or a mapping), with keys validated."""
+    pairs: list[tuple[str, str]]
+    if isinstance(value, str):
+        pairs = []
+        for part in value.split(","):
+            if not part.strip():
+                continue
+            key, sep, val = part.partition("=")
+            if not sep:
+                raise ValueError(f"{name}={value!r}: expected comma-separated key=value pairs")
+            pairs.append((key.strip(), val.strip()))
+    else:
+        pairs = list(value.items())
+    return {validate_key(k, setting=name): sanitize_value(v) for k, v in pairs}

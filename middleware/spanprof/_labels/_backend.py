@@ -6,7 +6,7 @@ from typing import Protocol, runtime_checkable
 
 from ._labelset import LabelSet
 
-__all__ = ["ProfilerBackend"]
+__all__ = ["ProfilerBackend", "ReadsMainThreadContext"]
 
 
 @runtime_checkable
@@ -20,9 +20,8 @@ class ProfilerBackend(Protocol):
     Implementations must be cheap in ``set_thread_labels`` (it runs between asyncio task steps)
     and may raise: the engine logs a backend failure once and never lets it reach a request.
 
-    Optionally, a backend that reads the main thread's labels from the running context itself
-    (``ExactBackend``) has a ``needs_step_hooks`` attribute that is ``False`` while it does:
-    event loops in the main thread then get no per-step hook where one would be extra.
+    A backend that reads the main thread's labels from the running context itself
+    (``ExactBackend``) also implements ``ReadsMainThreadContext``.
     """
 
     def start(self) -> None:
@@ -33,3 +32,17 @@ class ProfilerBackend(Protocol):
 
     def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
         """The calling thread switched from ``previous`` labels to ``current`` labels."""
+
+
+@runtime_checkable
+class ReadsMainThreadContext(Protocol):
+    """A backend that, while ``needs_step_hooks`` is ``False``, reads the labels of the main
+    thread's running context at each sample itself.
+
+    Event loops in the main thread then get no per-step hook (no uvloop or eager-task task
+    factory), and the engine pushes nothing for that thread.
+    """
+
+    @property
+    def needs_step_hooks(self) -> bool:
+        """Whether main-thread event loops still need per-step label pushes."""

@@ -1,4 +1,4 @@
-"""Type stub of the optional C extension ``spanprof._cproxy`` (source: ``_cproxy.c``)."""
+"""Type stub of the optional C extension ``spanprof._labels._cproxy`` (source: ``_cproxy.c``)."""
 
 import asyncio
 from collections.abc import Callable, Coroutine, Generator

@@ -3,28 +3,36 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextvars import ContextVar, Token
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from opentelemetry import trace
 from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from opentelemetry.instrumentation.asgi import get_host_port_url_tuple as _untyped_url_tuple
-from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
-from opentelemetry.trace import INVALID_SPAN, Span, TracerProvider
-from opentelemetry.util.http import ExcludeList, parse_excluded_urls
+from opentelemetry.metrics import NoOpMeterProvider
+from opentelemetry.trace import INVALID_SPAN, Span
+from opentelemetry.util.http import ExcludeList
 
-from ._backend import ProfilerBackend
-from ._engine import apply, attach_loop
-from ._labelset import LABELS, LabelSet
-from ._logging import log_once
-from ._prometheus import PrometheusMetrics
-from ._routes import UNMATCHED, known_method, span_name, starlette_route_template
-from ._settings import FROM_ENV, MiddlewareSettings
-from ._spanlabels import annotate_span, is_server_span, request_labels
-from ._types import ASGIApp, Message, Receive, Scope, Send
+from .._labels._backend import ProfilerBackend
+from .._labels._engine import apply, attach_loop
+from .._labels._labelset import LABELS, LabelSet
+from .._logging import log_once
+from .._types import ASGIApp, Message, Receive, Scope, Send
+from ._options import MiddlewareSettings, ProfilingOptions
+from ._routes import (
+    UNMATCHED,
+    fastapi_telemetry_naming,
+    known_method,
+    span_name,
+    starlette_route_template,
+)
+from ._spanlabels import annotate_span, is_labelled_span, is_server_span, request_labels
 
-__all__ = ["FROM_ENV", "ProfilingMiddleware"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["ProfilingMiddleware"]
 
 
 class _Request:
@@ -138,54 +146,26 @@ class ProfilingMiddleware:
 
     Arguments:
         app: the ASGI application.
-        profiler: a ``ProfilerBackend``; default: ``PyroscopeBackend.from_env()`` (no profiler
-            when ``PYROSCOPE_SERVER_ADDRESS`` is unset); ``None``: labels without a profiler.
-            It is started at lifespan startup (after fork) or on the first request, and shut
-            down (last window flushed) at lifespan shutdown.
-        tracer_provider: the OpenTelemetry tracer provider (default: the global one).
-        trace_id_label: label samples with ``trace_id`` too (default ``True``, or
-            ``SPANPROF_TRACE_ID_LABEL``); turn off for Pyroscope servers older than 2.0.3,
-            where ``trace_id`` becomes a series label.
         route_resolver: ``scope -> template or None`` for non-Starlette apps; default: match
             the Starlette/FastAPI routes of the app.
-        excluded_urls: comma-separated URL patterns to leave untraced and unlabelled
-            (OpenTelemetry syntax); matching requests go straight to the app.
-        meter_provider: where the ``http.server.request.duration`` histogram is recorded
-            (default: the global provider). OTel's own ASGI metrics are not recorded, so there
-            is exactly one duration stream.
-        slo_seconds: the latency SLO of every route (default 0.5, or ``SPANPROF_SLO_SECONDS``).
-            Slower requests get an exemplar with their span's ids and the span attributes
-            ``spanprof.slo.breached`` and ``spanprof.slo.threshold_s``.
-        route_slos: per-route SLOs by template, e.g. ``{"/checkout": 0.25}`` (or
-            ``SPANPROF_ROUTE_SLO="/checkout=0.25,/search=1"``).
-        prometheus: also record the histogram (with exemplars) in this ``PrometheusMetrics``.
-        environ: the environment to read settings from (default ``os.environ``).
+        **options: the options both middlewares share (``ProfilingOptions``): ``profiler``,
+            ``tracer_provider``, ``trace_id_label``, ``excluded_urls``, ``meter_provider``,
+            ``slo``, ``slo_seconds``, ``route_slos``, ``prometheus``, ``environ``. The
+            profiler starts at lifespan startup (after fork) or on the first request, and
+            shuts down (last window flushed) at lifespan shutdown. OTel's own ASGI metrics are
+            not recorded, so there is exactly one duration stream.
     """
 
     def __init__(
         self,
         app: ASGIApp,
         *,
-        profiler: ProfilerBackend | None = FROM_ENV,
-        tracer_provider: TracerProvider | None = None,
-        trace_id_label: bool | None = None,
         route_resolver: Callable[[Scope], str | None] | None = None,
-        excluded_urls: str | None = None,
-        meter_provider: MeterProvider | None = None,
-        slo_seconds: float | None = None,
-        route_slos: Mapping[str, float] | None = None,
-        prometheus: PrometheusMetrics | None = None,
-        environ: Mapping[str, str] | None = None,
+        **options: Unpack[ProfilingOptions],
     ) -> None:
         self.app = app
         settings = MiddlewareSettings.build(
-            profiler=profiler,
-            trace_id_label=trace_id_label,
-            meter_provider=meter_provider,
-            slo_seconds=slo_seconds,
-            route_slos=route_slos,
-            prometheus=prometheus,
-            environ=environ,
+            "ProfilingMiddleware", options, route_resolver=route_resolver, resolves="scope"
         )
         self._runtime = settings.runtime
         self._durations = settings.durations
@@ -193,7 +173,8 @@ class ProfilingMiddleware:
         self._labeller = _Labeller(with_trace_id=settings.with_trace_id)
         # Checked here, not by OpenTelemetry: an excluded request must not reach the app
         # through OTel without a span, where its failure would look like OTel's own.
-        self._excluded = parse_excluded_urls(excluded_urls) if excluded_urls else None
+        self._excluded = settings.excluded
+        tracer_provider = settings.tracer_provider
 
         def traced(inner: ASGIApp) -> OpenTelemetryMiddleware:
             return OpenTelemetryMiddleware(
@@ -214,11 +195,11 @@ class ProfilingMiddleware:
         """The backend this middleware starts and stops."""
         return self._runtime.backend
 
-    def _template(self, scope: Scope) -> str | None:
+    def _template(self, scope: Scope, fastapi_prefix: str | None = None) -> str | None:
         try:
             if self._resolve is not None:
                 return self._resolve(scope)
-            return starlette_route_template(scope, self.app)
+            return starlette_route_template(scope, self.app, fastapi_prefix=fastapi_prefix)
         except Exception:
             log_once(
                 "route-resolver",
@@ -248,11 +229,28 @@ class ProfilingMiddleware:
             return
         self._runtime.ensure_started()
         attach_loop()
-        template = self._template(scope)
-        method = scope.get("method", "") if kind == "http" else "WEBSOCKET"
-        name = span_name(method, template if template is not None else UNMATCHED)
         current = trace.get_current_span()
         reused = is_server_span(current)
+        if reused and is_labelled_span(current):
+            # An outer spanprof layer owns this request (this app is mounted in its app): it
+            # keeps its name, labels and duration; renaming it to this app's template is wrong.
+            await self.app(scope, receive, send)
+            return
+        method = scope.get("method", "") if kind == "http" else "WEBSOCKET"
+        # Inside FastAPI's own telemetry, its server span is the request's: FastAPI renames it
+        # when its router picks the route, so the request is named the way FastAPI names it.
+        fastapi = fastapi_telemetry_naming(scope, current) if reused else None
+        if fastapi is None:
+            template = self._template(scope)
+            name = span_name(method, template if template is not None else UNMATCHED)
+        else:
+            template = self._template(scope, fastapi[1])
+            name = f"{fastapi[0]} {template if template is not None else UNMATCHED}"
+        if "fastapi.telemetry" not in scope:
+            # This request has its server span (spanprof's, or the one reused here): a FastAPI
+            # app below must not open a second one, in a trace of its own. FastAPI's own mark
+            # for "not mine to trace", as it sets for its excluded requests.
+            scope["fastapi.telemetry"] = None
         if reused and template is not None and current.is_recording():
             # FastAPIInstrumentor or opentelemetry-instrument already opened the server span.
             current.update_name(name)

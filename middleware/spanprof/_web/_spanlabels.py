@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from opentelemetry.trace import Span, SpanKind
 
-from ._labelset import LABELS, LabelSet
+from .._labels._labelset import LABELS, LabelSet
+from ._routes import span_name_label
 
-__all__ = ["PROFILE_ID_ATTRIBUTE", "annotate_span", "is_server_span", "request_labels"]
+__all__ = [
+    "PROFILE_ID_ATTRIBUTE",
+    "annotate_span",
+    "is_labelled_span",
+    "is_server_span",
+    "request_labels",
+]
 
 # Grafana's Tempo "trace to profiles" link appears on spans that carry this attribute.
 PROFILE_ID_ATTRIBUTE = "pyroscope.profile.id"
@@ -17,10 +24,26 @@ def is_server_span(span: Span) -> bool:
     return span.get_span_context().is_valid and getattr(span, "kind", None) is SpanKind.SERVER
 
 
+def is_labelled_span(span: Span) -> bool:
+    """Whether the labels in effect are ``span``'s own: spanprof already handles its request.
+
+    True inside a spanprof middleware's request (ASGI or WSGI, also across the thread pool
+    a WSGI app mounted in an ASGI app runs in), so a second spanprof layer below it (a mounted
+    sub-app with its own middleware) can leave the request, its name and its labels alone.
+    """
+    span_id = LABELS.get().get("span_id")
+    return (
+        span_id is not None and span_id == span.get_span_context().span_id.to_bytes(8, "big").hex()
+    )
+
+
 def request_labels(span: Span, name: str, *, with_trace_id: bool) -> LabelSet:
-    """The request's labels: the enclosing ones plus ``span_id``, ``trace_id``, ``span_name``."""
+    """The request's labels: the enclosing ones plus ``span_id``, ``trace_id``, ``span_name``.
+
+    ``name`` is the span's name; the label carries its sanitized form.
+    """
     ctx = span.get_span_context()
-    own: dict[str, str] = {"span_name": name}
+    own: dict[str, str] = {"span_name": span_name_label(name)}
     if ctx.is_valid:
         # The same zero-padded lowercase hex as format(id, "016x"), at half the cost.
         own["span_id"] = ctx.span_id.to_bytes(8, "big").hex()

@@ -1,4 +1,4 @@
-/* spanprof._cproxy: the label engine's hot paths, in C.
+/* spanprof._labels._cproxy: the label engine's hot paths, in C.
  *
  * On loops whose handles are compiled (uvloop) the engine cannot hook Handle._run, so its task
  * factory wraps each task's coroutine in a proxy that syncs the thread's profiler labels before
@@ -13,7 +13,7 @@
  * attribute costs ~60 ns (as much as the rest of a proxied step), and it belongs to the OS
  * thread even when gevent has patched threading.local to be greenlet-local.
  *
- * The extension is optional: spanprof._engine falls back to its Python proxy when this module
+ * The extension is optional: spanprof._labels._engine falls back to its Python proxy when this module
  * is missing (no compiler at install time) or cannot load (an isolated subinterpreter).
  */
 
@@ -23,7 +23,7 @@
 #include <stddef.h>  /* offsetof */
 
 #if PY_VERSION_HEX < 0x030A0000
-#error "spanprof._cproxy needs CPython 3.10+ (am_send, PyIter_Send)"
+#error "spanprof._labels._cproxy needs CPython 3.10+ (am_send, PyIter_Send)"
 #endif
 
 /* Interned once per process. Single-phase init: 3.12+ refuses to load the module in an
@@ -164,7 +164,7 @@ PyDoc_STRVAR(slot_doc,
 
 static PyTypeObject Slot_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "spanprof._cproxy.ThreadLabels",
+    .tp_name = "spanprof._labels._cproxy.ThreadLabels",
     .tp_basicsize = sizeof(SlotObject),
     .tp_dealloc = (destructor)slot_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -469,7 +469,7 @@ PyDoc_STRVAR(proxy_doc,
 
 static PyTypeObject Proxy_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "spanprof._cproxy.LabelledCoroutine",
+    .tp_name = "spanprof._labels._cproxy.LabelledCoroutine",
     .tp_basicsize = sizeof(ProxyObject),
     .tp_dealloc = (destructor)proxy_dealloc,
     .tp_as_async = &proxy_as_async,
@@ -773,7 +773,7 @@ PyDoc_STRVAR(hook_doc,
 
 static PyTypeObject Hook_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "spanprof._cproxy.HandleRunHook",
+    .tp_name = "spanprof._labels._cproxy.HandleRunHook",
     .tp_basicsize = sizeof(HookObject),
     .tp_dealloc = (destructor)hook_dealloc,
     .tp_vectorcall_offset = offsetof(HookObject, vectorcall),
@@ -805,7 +805,7 @@ static PyMethodDef cproxy_methods[] = {
 
 static struct PyModuleDef cproxy_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "spanprof._cproxy",
+    .m_name = "spanprof._labels._cproxy",
     .m_doc = "The label engine's coroutine proxy and per-thread state in C (optional).",
     .m_size = -1,
     .m_methods = cproxy_methods,
@@ -827,7 +827,7 @@ PyInit__cproxy(void)
 
     if (intern(&str_tls, "_tls") < 0 || intern(&str_labels, "labels") < 0 ||
         intern(&str_throw, "throw") < 0 || intern(&str_close, "close") < 0 ||
-        intern(&str_slot, "spanprof._cproxy.ThreadLabels") < 0 ||
+        intern(&str_slot, "spanprof._labels._cproxy.ThreadLabels") < 0 ||
         intern(&str_context, "_context") < 0) {
         return NULL;
     }

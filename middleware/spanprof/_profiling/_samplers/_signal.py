@@ -40,29 +40,31 @@ Every table the handler writes is interned as it goes (frame ids, stack ids, one
 
 from __future__ import annotations
 
+import _thread
 import collections
 import functools
 import gc
+import os
 import random
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import Any
 
-from ._engine import run_labelled
-from ._labelset import EMPTY, LABELS, LabelSet
-from ._pprof import Frame
+from ..._labels._engine import run_labelled
+from ..._labels._labelset import EMPTY, LABELS, LabelSet
+from .._window import StackTables, Window
 
 __all__ = [
     "CLOCKS",
     "Sampler",
     "SamplerUnavailable",
     "SignalInUse",
-    "Window",
+    "in_main_os_thread",
+    "os_thread_ident",
     "signal_for",
     "thread_cpu_clock",
     "unavailable_reason",
@@ -119,6 +121,29 @@ def thread_cpu_clock(native_id: int) -> int:
     return ((~native_id) << 3) | 6
 
 
+def os_thread_ident() -> Callable[[], int]:
+    """The function that tells the calling OS thread's ident (``sys._current_frames`` keys).
+
+    gevent's monkey patching turns ``threading.get_ident`` into the current greenlet's id; every
+    greenlet of a worker runs in one OS thread, the one the signal handler runs in.
+    """
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None:
+        original: Callable[[], int] = monkey.get_original("_thread", "get_ident")
+        return original
+    return _thread.get_ident
+
+
+def in_main_os_thread() -> bool:
+    """Whether the caller runs in the process's main OS thread, where signal handlers run.
+
+    Asked of the OS (on Linux the main thread's TID is the pid): under gevent a greenlet of the
+    main thread is a ``DummyThread`` to ``threading``, and CPython < 3.13 keeps the parent's
+    ``main_thread().native_id`` after a fork.
+    """
+    return threading.get_native_id() == os.getpid()
+
+
 def unavailable_reason() -> str | None:
     """Why the calling thread cannot start an exact sampler here, or ``None`` if it can."""
     if not sys.platform.startswith("linux"):
@@ -126,7 +151,7 @@ def unavailable_reason() -> str | None:
     is_gil_enabled: Callable[[], bool] | None = getattr(sys, "_is_gil_enabled", None)
     if is_gil_enabled is not None and not is_gil_enabled():
         return "it needs the GIL to read stacks and labels at one instant (free-threaded build)"
-    if threading.current_thread() is not threading.main_thread():
+    if not in_main_os_thread():
         return (
             "it must start in the main thread, where Python runs signal handlers, but it was "
             f"started in thread {threading.current_thread().name!r} (an event loop outside the "
@@ -188,82 +213,6 @@ def _loop_driver_code(frame: FrameType | None) -> CodeType | None:
     return None
 
 
-def _code_name(code: CodeType) -> str:
-    # Qualified names (Class.method) from 3.11 on, as pyroscope-io reports them.
-    name: str = getattr(code, "co_qualname", code.co_name)
-    return name
-
-
-class _Tables:
-    """Interned frames and stacks, shared by consecutive windows."""
-
-    __slots__ = ("code_refs", "frame_ids", "frames", "stack_ids", "stacks")
-
-    def __init__(self) -> None:
-        # (id(code), lasti) -> frame id; code objects are kept alive so their ids stay unique.
-        self.frame_ids: dict[tuple[int, int], int] = {}
-        self.frames: list[Frame] = []
-        self.code_refs: dict[int, CodeType] = {}
-        self.stack_ids: dict[tuple[int, ...], int] = {}
-        self.stacks: list[tuple[Frame, ...]] = []
-
-    def add_frame(self, key: tuple[int, int], frame: FrameType) -> int:
-        code = frame.f_code
-        self.code_refs[key[0]] = code
-        name = _code_name(code)
-        fid = len(self.frames)
-        self.frames.append(Frame(name, code.co_filename, frame.f_lineno or code.co_firstlineno))
-        self.frame_ids[key] = fid
-        return fid
-
-    def raw_frame(self, code: CodeType, lasti: int, line: int) -> int:
-        key = (id(code), lasti)
-        fid = self.frame_ids.get(key)
-        if fid is None:
-            self.code_refs[key[0]] = code
-            name = _code_name(code)
-            fid = len(self.frames)
-            self.frames.append(Frame(name, code.co_filename, line))
-            self.frame_ids[key] = fid
-        return fid
-
-    def stack_of(self, key: tuple[int, ...]) -> int:
-        sid = self.stack_ids.get(key)
-        if sid is None:
-            sid = self.add_stack(key)
-        return sid
-
-    def add_stack(self, key: tuple[int, ...]) -> int:
-        frames = self.frames
-        sid = len(self.stacks)
-        self.stacks.append(tuple(frames[i] for i in key))
-        self.stack_ids[key] = sid
-        return sid
-
-    def __len__(self) -> int:
-        return len(self.stacks) + len(self.frames)
-
-
-@dataclass
-class Window:
-    """Samples of one upload interval: weight (ns) per ``(stack id, labels)``.
-
-    ``stack(sid)`` resolves a stack id to its frames, leaf first.
-    """
-
-    start_ns: int
-    tables: _Tables
-    values: dict[tuple[int, LabelSet], int] = field(default_factory=dict)
-    end_ns: int = 0
-
-    def stack(self, sid: int) -> tuple[Frame, ...]:
-        """The frames of stack ``sid``, leaf first."""
-        return self.tables.stacks[sid]
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-
 class _ThreadState:
     """What the handler knows about one non-main thread (handler-owned)."""
 
@@ -289,7 +238,7 @@ class _ThreadState:
         self.last_stack = -1
         self.last_labels: LabelSet | None = None
         self.last_tick = -1
-        self.tables: _Tables | None = None
+        self.tables: StackTables | None = None
         # The blocking frame it waited in at the last look (same object: it never left it), and
         # in wall mode the waiting leaf whose stack is last_stack.
         self.waiting_in: FrameType | None = None
@@ -339,11 +288,12 @@ class Sampler:
         self._busy = False
         self._previous_handler: Any = signal.SIG_DFL
         self._main_ident = 0
+        self._ident: Callable[[], int] = _thread.get_ident
         self._main_last = 0
-        self._main_sample: tuple[int, LabelSet, _Tables, int] | None = None
+        self._main_sample: tuple[int, LabelSet, StackTables, int] | None = None
         self._blocking: dict[int, CodeType] = {}
         self._main_idle: dict[int, CodeType] = {}
-        self._window = Window(time.time_ns(), _Tables())
+        self._window = Window(time.time_ns(), StackTables())
         self._states: dict[int, _ThreadState] = {}
         self._labels: dict[int, LabelSet] = {}
         # Per thread, bumped before and after each label change (see _sample_threads).
@@ -357,7 +307,7 @@ class Sampler:
         # Linux checks CPU timers on scheduler ticks (4 ms at HZ=250): an interval that short is
         # already quantised to whole ticks, and jittering it would only lower the rate.
         self._jitter = clock == "wall" or self.interval >= 0.008
-        self._entries: dict[int, tuple[_RawStack, int, _Tables]] = {}
+        self._entries: dict[int, tuple[_RawStack, int, StackTables]] = {}
         # Wall and CPU time of the last handler runs: how long the main thread was held up.
         self._stalls = [0] * _STALL_RING
         self._stall_cpu = [0] * _STALL_RING
@@ -382,6 +332,11 @@ class Sampler:
         self.unsampled_ns = 0
 
     # --- lifecycle (main thread) ----------------------------------------------------------------
+
+    @property
+    def ident(self) -> Callable[[], int]:
+        """How this sampler tells threads apart (the OS thread's ident, whatever gevent patched)."""
+        return self._ident
 
     @property
     def running(self) -> bool:
@@ -412,7 +367,8 @@ class Sampler:
                 f"spanprof's exact profiler needs the {name} interval timer, but it is already "
                 "armed by someone else; use SPANPROF_PROFILER=pyroscope"
             )
-        self._main_ident = threading.get_ident()
+        self._ident = os_thread_ident()
+        self._main_ident = self._ident()
         # A restart begins like the label engine's install: every thread from empty labels.
         self._labels.clear()
         self._versions.clear()
@@ -443,7 +399,7 @@ class Sampler:
             self._drain_boundaries(self._window)
         finally:
             self._busy = False
-        if threading.current_thread() is threading.main_thread():
+        if in_main_os_thread():
             # SIG_IGN first discards a signal generated before the timer was disarmed, which the
             # default action (terminate) would otherwise turn into a crash.
             signal.signal(self.signum, signal.SIG_IGN)
@@ -456,7 +412,7 @@ class Sampler:
 
         The main thread is skipped: its labels are read from its context at sample time.
         """
-        ident = threading.get_ident()
+        ident = self._ident()
         if ident == self._main_ident:
             return
         local = self._local
@@ -479,7 +435,9 @@ class Sampler:
         # The timer's signal goes to any thread that does not block it; blocked here, it goes
         # to the main thread, waking an idle event loop (EINTR) to take the sample at once
         # instead of whenever the loop next wakes, and sparing this thread's system calls.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})
+        # (Never in the main thread itself: a gevent "thread" is a greenlet of it.)
+        if not in_main_os_thread():
+            signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})
         local.clock = thread_cpu_clock(threading.get_native_id())
         local.ready = True
 
@@ -488,7 +446,7 @@ class Sampler:
     def take_window(self) -> Window:
         """Swap in a new window and return the finished one (no handler writes it any more)."""
         old = self._window
-        tables = old.tables if len(old.tables) < MAX_TABLE_SIZE else _Tables()
+        tables = old.tables if len(old.tables) < MAX_TABLE_SIZE else StackTables()
         self._window = Window(time.time_ns(), tables)
         # A handler that read the old window before the swap may still be adding to it (it can
         # be preempted mid-tick); it finishes within microseconds once it gets the GIL back.
@@ -607,7 +565,7 @@ class Sampler:
 
     def _sample_main(
         self, window: Window, frame: FrameType, tick: int, delta: int
-    ) -> tuple[int, LabelSet, _Tables, int]:
+    ) -> tuple[int, LabelSet, StackTables, int]:
         # The handler runs in the interrupted code's context: these are the running task's
         # (or callback's) labels, read at the same instant as its stack.
         labels = LABELS.get()
@@ -766,7 +724,7 @@ class Sampler:
         values = window.values
         values[key] = values.get(key, 0) + weight
 
-    def _stack_id(self, tables: _Tables, frame: FrameType | None) -> int:
+    def _stack_id(self, tables: StackTables, frame: FrameType | None) -> int:
         ids: list[int] = []
         append = ids.append
         get = tables.frame_ids.get
@@ -781,7 +739,7 @@ class Sampler:
             depth += 1
         return tables.stack_of(tuple(ids))
 
-    def _entry_stack_id(self, tables: _Tables, raw: _RawStack) -> int:
+    def _entry_stack_id(self, tables: StackTables, raw: _RawStack) -> int:
         # Keyed by identity: _job_entry returns the same tuple for the same stack, and hashing
         # its code objects would cost more than interning them.
         hit = self._entries.get(id(raw))

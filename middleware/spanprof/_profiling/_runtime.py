@@ -2,19 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable
+import time
+import weakref
+from collections.abc import Callable, Iterator
 
-from ._backend import ProfilerBackend
-from ._engine import install_label_engine, installed_backend, uninstall_label_engine
-from ._logging import log_once
+from .._labels._backend import ProfilerBackend
+from .._labels._engine import install_label_engine, installed_backend, uninstall_label_engine
+from .._labels._greenlets import greenlets_in_use, install_greenlet_labels
+from .._logging import log_once
 
-__all__ = ["SHUTDOWN_TIMEOUT_SECONDS", "ProfilerRuntime"]
+__all__ = ["SHUTDOWN_TIMEOUT_SECONDS", "ProfilerRuntime", "stop_started"]
 
 # A flush to an endpoint that accepts but never answers would otherwise hold the server's
 # graceful shutdown hostage (measured: pyroscope-io's shutdown() blocks for good).
 SHUTDOWN_TIMEOUT_SECONDS = 5.0
+
+
+# Runtimes started in this process, for whoever must flush them without a server shutdown event
+# (local mode under a WSGI server).
+_started: weakref.WeakSet[ProfilerRuntime] = weakref.WeakSet()
+
+
+def stop_started() -> None:
+    """Stop (uninstall and flush) every runtime started in this process."""
+    for runtime in list(_started):
+        runtime.stop()
 
 
 class ProfilerRuntime:
@@ -48,7 +63,7 @@ class ProfilerRuntime:
         backend = self.backend
         if backend is None:
             return
-        with self._lock:
+        with _cooperatively(self._lock):
             pid = os.getpid()
             if self._pid == pid:
                 return
@@ -62,6 +77,8 @@ class ProfilerRuntime:
                 )
             else:
                 install_label_engine(backend)
+                _started.add(self)
+                _follow_greenlets()
             finally:
                 # Set last: until the engine feeds the backend, other threads' first requests
                 # wait in ensure_started() instead of setting labels nobody pushes.
@@ -72,10 +89,11 @@ class ProfilerRuntime:
         backend = self.backend
         if backend is None:
             return
-        with self._lock:
+        with _cooperatively(self._lock):
             if self._pid != os.getpid():
                 return
             self._pid = None
+            _started.discard(self)
             if installed_backend() is backend:
                 uninstall_label_engine()
         if not _call_with_timeout(backend.shutdown, self.shutdown_timeout):
@@ -85,6 +103,38 @@ class ProfilerRuntime:
                 "(profile endpoint unreachable?); shutting down without it",
                 exc_info=False,
             )
+
+
+@contextlib.contextmanager
+def _cooperatively(lock: threading.Lock) -> Iterator[None]:
+    """Hold ``lock``, waiting for it in short sleeps rather than one blocking acquire.
+
+    Under gevent with a preloaded app the lock was made before monkey patching: a real OS lock,
+    shared by every greenlet of the worker's one thread. The first request holds it while the
+    backend starts and yields (its upload "thread" is a greenlet); a second request blocking on
+    it would block that thread, and with it the first request, for good. ``time.sleep`` yields
+    to other greenlets there, and costs a thread a millisecond at most, once per process.
+    """
+    while not lock.acquire(blocking=False):
+        time.sleep(0.001)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _follow_greenlets() -> None:
+    # Greenlets switch requests on one OS thread without the engine seeing it: follow the
+    # switches (and let spawned greenlets inherit labels) with no call needed from the app.
+    try:
+        if greenlets_in_use():
+            install_greenlet_labels()
+    except Exception:
+        log_once(
+            "greenlet-labels",
+            "spanprof: could not follow greenlet switches; requests served by greenlets may "
+            "carry each other's labels (logged once)",
+        )
 
 
 def _call_with_timeout(call: Callable[[], None], timeout: float) -> bool:

@@ -1,4 +1,4 @@
-"""The exact profiler backend, and the choice between it and pyroscope-io.
+"""The exact profiler backend: spanprof's own sampler and uploader.
 
 ``ExactBackend`` samples with spanprof's own signal-driven sampler (``_sampler``), which reads a
 thread's stack and its labels at the same instant, and uploads with ``_pusher`` to the same
@@ -9,22 +9,20 @@ dashboards and Grafana's trace-to-profile links work unchanged.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 from collections.abc import Mapping
 
-from ._backend import ProfilerBackend
-from ._labelset import LabelSet
-from ._logging import logger
-from ._pusher import Pusher, series_labels
+from .._labels._labelset import LabelSet
+from .._logging import logger
+from ._encoders._window import series_labels
+from ._exporters._pusher import Pusher
 from ._pyroscope import PyroscopeBackend
-from ._pyroscope_settings import PyroscopeSettings, WithPyroscopeSettings
-from ._sampler import CLOCKS, Sampler, SamplerUnavailable
+from ._samplers._signal import CLOCKS, Sampler, SamplerUnavailable, os_thread_ident
+from ._settings import PyroscopeSettings, WithPyroscopeSettings
 
-__all__ = ["PROFILERS", "ExactBackend", "profiler_from_env"]
-
-#: Values of ``SPANPROF_PROFILER``.
-PROFILERS = ("pyroscope", "exact")
+__all__ = ["ExactBackend"]
 
 
 def _ignore(previous: LabelSet, current: LabelSet) -> None:
@@ -66,6 +64,8 @@ class ExactBackend(WithPyroscopeSettings):
         tags: static labels on every sample of this process.
         clock: ``"cpu"`` (default: on-CPU samples) or ``"wall"`` (every thread, waiting
             included, weighted by wall time; uses ``SIGALRM``).
+        auto: chosen by ``SPANPROF_PROFILER=auto`` (the default) rather than asked for: the
+            start-up line saying which profiler runs, fallback included, is INFO, not WARNING.
     """
 
     def __init__(
@@ -80,6 +80,7 @@ class ExactBackend(WithPyroscopeSettings):
         basic_auth_password: str = "",
         tags: Mapping[str, str] | None = None,
         clock: str = "cpu",
+        auto: bool = False,
     ) -> None:
         self._settings = PyroscopeSettings(
             server_address=server_address,
@@ -94,6 +95,7 @@ class ExactBackend(WithPyroscopeSettings):
         if clock not in CLOCKS:
             raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {clock!r}")
         self.clock = clock
+        self.auto = auto
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._sampler: Sampler | None = None
@@ -104,11 +106,14 @@ class ExactBackend(WithPyroscopeSettings):
         self._sink = _ignore
         # The thread whose labels the sampler reads itself (0: none, e.g. in fallback mode).
         self._context_thread = 0
+        self._ident = os_thread_ident()
         self._atexit_registered = False
         self._last_stats: dict[str, float] = {}
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> ExactBackend | None:
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, auto: bool = False
+    ) -> ExactBackend | None:
         """A backend configured from the same variables as ``PyroscopeBackend.from_env``.
 
         ``PYROSCOPE_SERVER_ADDRESS`` (unset: ``None``), ``PYROSCOPE_APPLICATION_NAME`` (default
@@ -127,7 +132,7 @@ class ExactBackend(WithPyroscopeSettings):
             raise ValueError(
                 f"SPANPROF_PROFILE_CLOCK={clock!r}: expected one of {', '.join(CLOCKS)}"
             )
-        return cls(**settings.arguments(), clock=clock)
+        return cls(**settings.arguments(), clock=clock, auto=auto)
 
     # --- what runs -----------------------------------------------------------------------------
 
@@ -179,10 +184,13 @@ class ExactBackend(WithPyroscopeSettings):
             try:
                 sampler.start()
             except SamplerUnavailable as exc:
-                logger.warning(
-                    "spanprof: the exact profiler cannot run in this process: %s. Falling back "
-                    "to pyroscope-io with the label engine; its samples may carry the labels of "
-                    "whatever ran ~0.2 ms after the stack was read",
+                logger.log(
+                    logging.INFO if self.auto else logging.WARNING,
+                    "spanprof: profiling with pyroscope-io and the label engine (pid %d): the "
+                    "exact sampler cannot run here, %s. Its samples may carry the labels of "
+                    "whatever ran ~0.2 ms after the stack was read; serve requests from an event "
+                    "loop, gevent or a sync worker in the main thread to profile them exactly",
+                    pid,
                     exc,
                 )
                 fallback = PyroscopeBackend(**self._settings.arguments())
@@ -205,8 +213,15 @@ class ExactBackend(WithPyroscopeSettings):
                 pusher.start(sampler.take_window)
                 self._sampler, self._pusher = sampler, pusher
                 self._sink = sampler.set_thread_labels
-                self._context_thread = threading.get_ident()
-                logger.debug("spanprof: exact profiler started (pid %d)", pid)
+                self._ident = sampler.ident
+                self._context_thread = self._ident()
+                logger.info(
+                    "spanprof: profiling with the exact sampler (pid %d, %s): stack and labels "
+                    "read at one instant in the main thread%s",
+                    pid,
+                    f"SPANPROF_PROFILER={'auto' if self.auto else 'exact'}",
+                    "" if self.clock == "cpu" else ", wall clock",
+                )
             self._pid = pid
             if not self._atexit_registered:
                 # Like pyroscope-io: the last window is sent even without a lifespan shutdown.
@@ -236,20 +251,5 @@ class ExactBackend(WithPyroscopeSettings):
         """The calling thread switched labels (thread-pool job start or end, mostly)."""
         # The sampler reads the main thread's labels from its context: skip its pushes here,
         # before any further call (the middleware pushes twice per request).
-        if threading.get_ident() != self._context_thread:
+        if self._ident() != self._context_thread:
             self._sink(previous, current)
-
-
-def profiler_from_env(environ: Mapping[str, str] | None = None) -> ProfilerBackend | None:
-    """The profiler ``SPANPROF_PROFILER`` names, configured from ``PYROSCOPE_*``, or ``None``.
-
-    ``pyroscope`` (default): ``PyroscopeBackend.from_env``; ``exact``: ``ExactBackend.from_env``.
-    Either is ``None`` when ``PYROSCOPE_SERVER_ADDRESS`` is unset.
-    """
-    env = os.environ if environ is None else environ
-    choice = env.get("SPANPROF_PROFILER", "").strip().lower() or "pyroscope"
-    if choice == "pyroscope":
-        return PyroscopeBackend.from_env(env)
-    if choice == "exact":
-        return ExactBackend.from_env(env)
-    raise ValueError(f"SPANPROF_PROFILER={choice!r}: expected one of {', '.join(PROFILERS)}")

@@ -17,16 +17,16 @@ spanprof's labels are carried over; other context variables keep gevent's semant
 from __future__ import annotations
 
 import contextvars
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _engine
-from ._engine import apply
+from .._logging import log_once
+from ._engine import apply, check_native_thread_state
 from ._labelset import LABELS
-from ._logging import log_once
 
-__all__ = ["install_greenlet_labels", "uninstall_greenlet_labels"]
+__all__ = ["greenlets_in_use", "install_greenlet_labels", "uninstall_greenlet_labels"]
 
 _Trace = Callable[[str, Any], Any]
 
@@ -72,28 +72,24 @@ def _inherit_labels(glet: Any) -> None:
         )
 
 
-def _check_engine_state() -> None:
-    # The engine remembers what it pushed per OS thread. If spanprof was imported after
-    # gevent's monkey patching, that "thread-local" state is greenlet-local instead, and
-    # switches would leave stale labels on the thread.
-    import sys
+def greenlets_in_use() -> bool:
+    """Whether requests here run in greenlets: gevent patched ``threading``, or the caller runs
+    in a greenlet other than its thread's main one (uWSGI's ``--gevent``, eventlet).
 
+    Only modules already imported are consulted: nothing is imported for this.
+    """
     monkey = sys.modules.get("gevent.monkey")
-    if monkey is None or not isinstance(_engine._tls, _engine._ThreadState):
-        # Not a threading.local: spanprof._cproxy's ThreadLabels, kept in the OS thread's state
-        # whatever gevent patched.
-        return
-    native_local = monkey.get_original("_thread", "_local")
-    if not isinstance(_engine._tls, native_local):
-        raise RuntimeError(
-            "spanprof was imported after gevent.monkey.patch_all(), so its per-thread state is "
-            "per-greenlet; import spanprof before patching (e.g. with gunicorn's preload_app "
-            "or an import at the top of the gunicorn config)"
-        )
+    if monkey is not None and monkey.is_module_patched("threading"):
+        return True
+    greenlet = sys.modules.get("greenlet")
+    return greenlet is not None and greenlet.getcurrent().parent is not None
 
 
 def install_greenlet_labels() -> None:
     """Keep profile labels exact across greenlet switches on the calling thread.
+
+    The middlewares call it themselves when their profiler starts in a process that runs
+    greenlets (``greenlets_in_use``); calling it explicitly stays possible and harmless.
 
     Call it in the thread that runs the greenlets (under gevent, the main thread of each worker;
     calling it in a gunicorn or uWSGI master before the fork also works, the hook survives
@@ -110,7 +106,7 @@ def install_greenlet_labels() -> None:
     import greenlet
 
     global _spawn_hooked
-    _check_engine_state()
+    check_native_thread_state()
     with _lock:
         current = greenlet.gettrace()
         if isinstance(current, _SwitchTracer):

@@ -8,9 +8,9 @@ from typing import Any
 
 import pyroscope
 
-from ._labelset import LabelSet
-from ._logging import log_once, logger
-from ._pyroscope_settings import PyroscopeSettings, WithPyroscopeSettings
+from .._labels._labelset import LabelSet
+from .._logging import log_once, logger
+from ._settings import PyroscopeSettings, WithPyroscopeSettings
 
 __all__ = ["PyroscopeBackend"]
 

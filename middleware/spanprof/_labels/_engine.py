@@ -36,11 +36,12 @@ import threading
 import weakref
 from asyncio import format_helpers
 from collections.abc import Callable, Coroutine, Generator
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ._backend import ProfilerBackend
+from .._logging import log_once
+from ._backend import ProfilerBackend, ReadsMainThreadContext
 from ._labelset import EMPTY, LABELS, LabelSet
-from ._logging import log_once
 
 try:
     from ._cproxy import HandleRunHook as _CHandleRunHook
@@ -56,6 +57,7 @@ except ImportError:  # installed without a C compiler: the Python versions below
 __all__ = [
     "apply",
     "attach_loop",
+    "check_native_thread_state",
     "install_label_engine",
     "installed_backend",
     "run_labelled",
@@ -140,6 +142,26 @@ def apply(labels: LabelSet) -> None:
 def sync() -> None:
     """Push the current context's labels for the calling thread (after a ``LABELS.set``)."""
     apply(LABELS.get())
+
+
+def check_native_thread_state() -> None:
+    """Raise ``RuntimeError`` if the engine's per-thread state is per greenlet instead.
+
+    The engine remembers what it pushed per OS thread. If spanprof was imported after gevent's
+    monkey patching, a Python ``threading.local`` state would be greenlet-local, and switches
+    would leave stale labels on the thread. The C state lives in the OS thread's state whatever
+    gevent patched.
+    """
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is None or not isinstance(_tls, _ThreadState):
+        return
+    native_local = monkey.get_original("_thread", "_local")
+    if not isinstance(_tls, native_local):
+        raise RuntimeError(
+            "spanprof was imported after gevent.monkey.patch_all(), so its per-thread state is "
+            "per-greenlet; import spanprof before patching (e.g. with gunicorn's preload_app "
+            "or an import at the top of the gunicorn config)"
+        )
 
 
 def installed_backend() -> ProfilerBackend | None:
@@ -310,6 +332,7 @@ def attach_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
+            _attach_trio()
             return
     if _seen_loop is not None and _seen_loop() is loop:
         return
@@ -329,11 +352,49 @@ def attach_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
         _seen_loop = None
 
 
+class _TrioLabels:
+    """A trio instrument: each task step runs with its task's labels (``task.context``)."""
+
+    __slots__ = ()
+
+    def before_task_step(self, task: Any) -> None:
+        labels = task.context.get(LABELS, EMPTY)
+        if labels is not _tls.labels:
+            apply(labels)
+
+
+_TRIO_LABELS = _TrioLabels()
+# The trio run last hooked (its token): each run is looked at once. Adding the one instrument
+# again is a no-op to trio.
+_seen_trio: object = None
+
+
+def _attach_trio() -> None:
+    # trio runs every task step in the task's own context and tells instruments about each.
+    global _seen_trio
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return
+    try:
+        token = trio.lowlevel.current_trio_token()
+    except RuntimeError:  # not in a trio run
+        return
+    if token is _seen_trio:
+        return
+    _seen_trio = token
+    if _samples_context_here():
+        _tls.labels = _QUIET
+    else:
+        trio.lowlevel.add_instrument(_TRIO_LABELS)
+
+
 def _samples_context_here() -> bool:
     # The exact sampler reads the main thread's labels from the context running at each sample
-    # (needs_step_hooks is False): its loops need no per-step pushes.
+    # (ReadsMainThreadContext): its loops need no per-step pushes.
+    backend = _backend
     return (
-        getattr(_backend, "needs_step_hooks", True) is False
+        isinstance(backend, ReadsMainThreadContext)
+        and not backend.needs_step_hooks
         and threading.current_thread() is threading.main_thread()
     )
 
@@ -373,6 +434,29 @@ def _submit(
     return _orig_submit(self, fn, *args, **kwargs)
 
 
+# Set while a patched to_thread.run_sync hands a labelled job on (to another patched one).
+_JOB_WRAPPED: ContextVar[bool] = ContextVar("spanprof.job_wrapped", default=False)
+
+
+def _labelling(original: Callable[..., Any]) -> Callable[..., Any]:
+    """An async ``to_thread.run_sync`` that runs the job with the caller's labels."""
+
+    @functools.wraps(original)
+    async def run_sync(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        labels = LABELS.get()
+        if not labels or _JOB_WRAPPED.get():
+            return await original(func, *args, **kwargs)
+        # anyio's trio backend hands the job, in a wrapper of its own, to trio's run_sync:
+        # wrap it once, so the sampler finds the job's own function as the job's entry.
+        token = _JOB_WRAPPED.set(True)
+        try:
+            return await original(functools.partial(run_labelled, labels, func), *args, **kwargs)
+        finally:
+            _JOB_WRAPPED.reset(token)
+
+    return run_sync
+
+
 def _patch_anyio() -> Callable[[], None] | None:
     try:
         import anyio.to_thread
@@ -381,14 +465,22 @@ def _patch_anyio() -> Callable[[], None] | None:
     module = anyio.to_thread
     original = module.run_sync
 
-    @functools.wraps(original)
-    async def run_sync(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        labels = LABELS.get()
-        if labels:
-            func = functools.partial(run_labelled, labels, func)
-        return await original(func, *args, **kwargs)
+    module.run_sync = _labelling(original)  # type: ignore[assignment]
 
-    module.run_sync = run_sync  # type: ignore[assignment]
+    def restore() -> None:
+        module.run_sync = original
+
+    return restore
+
+
+def _patch_trio() -> Callable[[], None] | None:
+    trio = sys.modules.get("trio")
+    if trio is None:  # imported by the app before the engine installs, or not used at all
+        return None
+    module = trio.to_thread
+    original = module.run_sync
+
+    module.run_sync = _labelling(original)
 
     def restore() -> None:
         module.run_sync = original
@@ -406,17 +498,18 @@ def _install_patches() -> None:
     _restore.append(lambda: setattr(asyncio.Handle, "_run", _orig_handle_run))
     concurrent.futures.ThreadPoolExecutor.submit = _submit  # type: ignore[method-assign,assignment]
     _restore.append(lambda: setattr(concurrent.futures.ThreadPoolExecutor, "submit", _orig_submit))
-    restore_anyio = _patch_anyio()
-    if restore_anyio is not None:
-        _restore.append(restore_anyio)
+    for patch in (_patch_anyio, _patch_trio):
+        restore = patch()
+        if restore is not None:
+            _restore.append(restore)
 
 
 def _after_fork_in_child() -> None:
-    global _tls, _seen_loop
+    global _tls, _seen_loop, _seen_trio
     # Only the forking thread survives; whatever the parent's backend was told is not true for
     # the child's profiler, which starts fresh.
     _tls = _new_thread_state()
-    _seen_loop = None
+    _seen_loop = _seen_trio = None
 
 
 def install_label_engine(backend: ProfilerBackend) -> None:
@@ -426,7 +519,7 @@ def install_label_engine(backend: ProfilerBackend) -> None:
     switches to it (threads re-push their labels on their next switch). Also hooks the running
     event loop, if called from one.
     """
-    global _backend, _tls, _fork_hook_registered, _seen_loop
+    global _backend, _tls, _fork_hook_registered, _seen_loop, _seen_trio
     with _lock:
         if _backend is backend:
             attach_loop()
@@ -437,7 +530,7 @@ def install_label_engine(backend: ProfilerBackend) -> None:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _fork_hook_registered = True
         _tls = _new_thread_state()
-        _seen_loop = None
+        _seen_loop = _seen_trio = None
         _backend = backend
     attach_loop()
     sync()
@@ -449,7 +542,7 @@ def uninstall_label_engine() -> None:
     The calling thread's labels are cleared on the backend first. Loops other than the running
     one keep a pass-through task factory until they close.
     """
-    global _backend, _tls, _seen_loop
+    global _backend, _tls, _seen_loop, _seen_trio
     with _lock:
         if _backend is None:
             return
@@ -460,4 +553,4 @@ def uninstall_label_engine() -> None:
             _detach_loop(asyncio.get_running_loop())
         _backend = None
         _tls = _new_thread_state()
-        _seen_loop = None
+        _seen_loop = _seen_trio = None

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Span
 
+from .._types import ASGIApp, Receive, Scope, Send
 from ._duration import DURATION_BUCKETS
-from ._types import ASGIApp, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

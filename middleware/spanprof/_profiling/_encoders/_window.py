@@ -1,0 +1,112 @@
+"""Turns a sampler's ``Window`` into pprof profiles, in slices short enough to share the GIL.
+
+Samples are added to a ``ProfileBuilder`` a few at a time, and a window with many distinct
+samples becomes several small pprof profiles instead of one big one that takes milliseconds to
+serialise. ``series_labels`` are the push's series labels, exactly as pyroscope-io sends them.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from collections.abc import Mapping
+
+from ..._version import __version__
+from .._window import Window
+from ._pprof import ProfileBuilder
+
+__all__ = ["STEP_BUDGET_NS", "WindowEncoder", "series_labels"]
+
+# Each slice of encoding work stops after this much time.
+STEP_BUDGET_NS = 500_000
+# A profile's build() is one step: keep profiles small enough that it stays short.
+_BUILD_TARGET_NS = 1_000_000
+_MIN_PROFILE_SAMPLES = 8
+_MAX_PROFILE_SAMPLES = 1024
+
+
+def series_labels(application_name: str, tags: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The series labels pyroscope-io sends, with spanprof as the instrumentation scope."""
+    fixed = [("__name__", "process_cpu"), ("service_name", application_name)]
+    labels = sorted([*fixed, *tags.items()])
+    labels += [
+        ("otel.scope.name", "spanprof"),
+        ("otel.scope.version", __version__),
+        ("process.runtime.name", sys.implementation.name),
+        ("process.runtime.version", platform.python_version()),
+    ]
+    return labels
+
+
+class WindowEncoder:
+    """Turns a ``Window`` into raw pprof profiles, one bounded slice of work per ``step()``.
+
+    Arguments:
+        window: the samples to encode (no longer written by the sampler).
+        period_ns: the sampling period written into each profile.
+        budget_ns: the time after which a slice of ``ProfileBuilder.add`` calls stops.
+        max_samples: distinct samples per profile to start with; adapted so that one profile's
+            ``build()`` takes about a millisecond at most.
+    """
+
+    def __init__(
+        self,
+        window: Window,
+        *,
+        period_ns: int,
+        budget_ns: int = STEP_BUDGET_NS,
+        max_samples: int = 32,
+    ) -> None:
+        self.window = window
+        self.period_ns = period_ns
+        self.budget_ns = budget_ns
+        self.max_samples = max_samples
+        self.profiles: list[bytes] = []
+        self._items = iter(list(window.values.items()))
+        self._builder = self._new_builder()
+        self._build_next = False
+        self._exhausted = False
+
+    def _new_builder(self) -> ProfileBuilder:
+        return ProfileBuilder((("cpu", "nanoseconds"),), ("cpu", "nanoseconds"), self.period_ns)
+
+    @property
+    def done(self) -> bool:
+        """Whether every sample is in ``profiles``."""
+        return self._exhausted and not self._build_next
+
+    def step(self) -> bool:
+        """Do one slice of work; return ``True`` when the window is fully encoded."""
+        if self._build_next:
+            self._build()
+            return self.done
+        window = self.window
+        builder = self._builder
+        deadline = time.perf_counter_ns() + self.budget_ns
+        for (sid, labels), value in self._items:
+            builder.add(window.stack(sid), value, labels.items_tuple)
+            if len(builder) >= self.max_samples:
+                self._build_next = True
+                return False
+            if time.perf_counter_ns() > deadline:
+                return False
+        self._exhausted = True
+        self._build_next = len(builder) > 0
+        return self.done
+
+    def _build(self) -> None:
+        started = time.perf_counter_ns()
+        window = self.window
+        self.profiles.append(
+            self._builder.build(
+                time_nanos=window.start_ns, duration_nanos=max(0, window.end_ns - window.start_ns)
+            )
+        )
+        took = time.perf_counter_ns() - started
+        if took > _BUILD_TARGET_NS:
+            self.max_samples = max(_MIN_PROFILE_SAMPLES, self.max_samples // 2)
+        elif took < _BUILD_TARGET_NS // 4:
+            self.max_samples = min(_MAX_PROFILE_SAMPLES, self.max_samples * 2)
+        self._builder = self._new_builder()
+        self._build_next = False

@@ -1,0 +1,100 @@
+"""What a sampler hands to the encoders: frames, interned stacks, and one upload window.
+
+A ``Window`` holds the samples of one upload interval as a weight per ``(stack id, labels)``;
+its stacks are interned in ``StackTables`` shared by consecutive windows, so a sample costs a
+dict lookup at tick time and the encoders resolve ids only when they export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import CodeType, FrameType
+
+from .._labels._labelset import LabelSet
+
+__all__ = ["Frame", "StackTables", "Window", "code_name"]
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One stack frame: function name, source file and line number (0 when unknown)."""
+
+    function: str
+    filename: str
+    line: int
+
+
+def code_name(code: CodeType) -> str:
+    # Qualified names (Class.method) from 3.11 on, as pyroscope-io reports them.
+    name: str = getattr(code, "co_qualname", code.co_name)
+    return name
+
+
+class StackTables:
+    """Interned frames and stacks, shared by consecutive windows."""
+
+    __slots__ = ("code_refs", "frame_ids", "frames", "stack_ids", "stacks")
+
+    def __init__(self) -> None:
+        # (id(code), lasti) -> frame id; code objects are kept alive so their ids stay unique.
+        self.frame_ids: dict[tuple[int, int], int] = {}
+        self.frames: list[Frame] = []
+        self.code_refs: dict[int, CodeType] = {}
+        self.stack_ids: dict[tuple[int, ...], int] = {}
+        self.stacks: list[tuple[Frame, ...]] = []
+
+    def add_frame(self, key: tuple[int, int], frame: FrameType) -> int:
+        code = frame.f_code
+        self.code_refs[key[0]] = code
+        name = code_name(code)
+        fid = len(self.frames)
+        self.frames.append(Frame(name, code.co_filename, frame.f_lineno or code.co_firstlineno))
+        self.frame_ids[key] = fid
+        return fid
+
+    def raw_frame(self, code: CodeType, lasti: int, line: int) -> int:
+        key = (id(code), lasti)
+        fid = self.frame_ids.get(key)
+        if fid is None:
+            self.code_refs[key[0]] = code
+            name = code_name(code)
+            fid = len(self.frames)
+            self.frames.append(Frame(name, code.co_filename, line))
+            self.frame_ids[key] = fid
+        return fid
+
+    def stack_of(self, key: tuple[int, ...]) -> int:
+        sid = self.stack_ids.get(key)
+        if sid is None:
+            sid = self.add_stack(key)
+        return sid
+
+    def add_stack(self, key: tuple[int, ...]) -> int:
+        frames = self.frames
+        sid = len(self.stacks)
+        self.stacks.append(tuple(frames[i] for i in key))
+        self.stack_ids[key] = sid
+        return sid
+
+    def __len__(self) -> int:
+        return len(self.stacks) + len(self.frames)
+
+
+@dataclass
+class Window:
+    """Samples of one upload interval: weight (ns) per ``(stack id, labels)``.
+
+    ``stack(sid)`` resolves a stack id to its frames, leaf first.
+    """
+
+    start_ns: int
+    tables: StackTables
+    values: dict[tuple[int, LabelSet], int] = field(default_factory=dict)
+    end_ns: int = 0
+
+    def stack(self, sid: int) -> tuple[Frame, ...]:
+        """The frames of stack ``sid``, leaf first."""
+        return self.tables.stacks[sid]
+
+    def __len__(self) -> int:
+        return len(self.values)

@@ -1,0 +1,132 @@
+"""The options both middlewares take, and the settings resolved from them once, at build time.
+
+One ``ProfilingOptions`` type describes the keyword arguments of both middlewares (each adds
+only its own ``route_resolver``), so the two constructors cannot drift apart, and
+``MiddlewareSettings.build`` validates them all before the first request: a bad value raises
+``ValueError`` naming the option or the environment variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TypedDict
+
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.trace import TracerProvider
+from opentelemetry.util.http import ExcludeList, parse_excluded_urls
+
+from .._config import parse_bool
+from .._labels._backend import ProfilerBackend
+from .._profiling._choose import FROM_ENV, FromEnv, choose_profiler
+from .._profiling._runtime import ProfilerRuntime
+from .._signals._duration import DurationRecorder
+from .._signals._prometheus import PrometheusMetrics
+from .._signals._slo import SloPolicy
+
+__all__ = ["MiddlewareSettings", "ProfilingOptions"]
+
+
+class ProfilingOptions(TypedDict, total=False):
+    """Keyword options of ``ProfilingMiddleware`` and ``WSGIProfilingMiddleware``.
+
+    Every option is optional; the environment fills in what is left out (see README,
+    "Configuration").
+
+    Arguments:
+        profiler: a ``ProfilerBackend``; default ``FROM_ENV``: the backend ``SPANPROF_PROFILER``
+            names, configured from ``PYROSCOPE_*`` (no profiler when
+            ``PYROSCOPE_SERVER_ADDRESS`` is unset); ``None``: labels without a profiler. It is
+            started once per process (after any fork) and flushed at shutdown.
+        tracer_provider: the OpenTelemetry tracer provider (default: the global one).
+        trace_id_label: label samples with ``trace_id`` too (default ``True``, or
+            ``SPANPROF_TRACE_ID_LABEL``); turn off for Pyroscope servers older than 2.0.3,
+            where ``trace_id`` becomes a series label.
+        excluded_urls: comma-separated URL patterns to leave untraced and unlabelled
+            (OpenTelemetry syntax); matching requests go straight to the app.
+        meter_provider: where the ``http.server.request.duration`` histogram is recorded
+            (default: the global provider).
+        slo: a ``SloPolicy`` (default and per-route latency SLOs); exclusive with
+            ``slo_seconds`` and ``route_slos``.
+        slo_seconds: the latency SLO of every route (default 0.5, or ``SPANPROF_SLO_SECONDS``).
+            Slower requests get an exemplar with their span's ids and the span attributes
+            ``spanprof.slo.breached`` and ``spanprof.slo.threshold_s``.
+        route_slos: per-route SLOs by template, e.g. ``{"/checkout": 0.25}`` (or
+            ``SPANPROF_ROUTE_SLO="/checkout=0.25,/search=1"``).
+        prometheus: also record the histogram (with exemplars) in this ``PrometheusMetrics``.
+        environ: the environment to read settings from (default ``os.environ``).
+    """
+
+    profiler: ProfilerBackend | FromEnv | None
+    tracer_provider: TracerProvider | None
+    trace_id_label: bool | None
+    excluded_urls: str | None
+    meter_provider: MeterProvider | None
+    slo: SloPolicy | None
+    slo_seconds: float | None
+    route_slos: Mapping[str, float] | None
+    prometheus: PrometheusMetrics | None
+    environ: Mapping[str, str] | None
+
+
+_OPTION_NAMES = frozenset(ProfilingOptions.__annotations__)
+
+
+@dataclass(frozen=True)
+class MiddlewareSettings:
+    """What a middleware needs per process and per request, resolved from its options."""
+
+    runtime: ProfilerRuntime
+    with_trace_id: bool
+    durations: DurationRecorder
+    tracer_provider: TracerProvider | None
+    excluded: ExcludeList | None
+
+    @classmethod
+    def build(
+        cls, owner: str, options: ProfilingOptions, *, route_resolver: object, resolves: str
+    ) -> MiddlewareSettings:
+        """Validate everything now: a bad setting raises ``ValueError`` naming it.
+
+        ``owner`` is the middleware's name for errors; ``route_resolver`` must be ``None`` or a
+        callable taking what ``resolves`` names (``scope`` or ``environ``).
+        """
+        unknown = sorted(set(options) - _OPTION_NAMES)
+        if unknown:
+            # What Python itself says of an unexpected keyword argument.
+            raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
+        if route_resolver is not None and not callable(route_resolver):
+            raise ValueError(
+                f"route_resolver: expected a callable {resolves} -> str | None, "
+                f"got {route_resolver!r}"
+            )
+        environ = options.get("environ")
+        env = os.environ if environ is None else environ
+        backend = choose_profiler(options.get("profiler", FROM_ENV), env)
+        trace_id_label = options.get("trace_id_label")
+        if trace_id_label is None:
+            raw = env.get("SPANPROF_TRACE_ID_LABEL")
+            trace_id_label = True if raw is None else parse_bool("SPANPROF_TRACE_ID_LABEL", raw)
+        slo = options.get("slo")
+        slo_seconds, route_slos = options.get("slo_seconds"), options.get("route_slos")
+        if slo is None:
+            slo = SloPolicy.build(slo_seconds=slo_seconds, route_slos=route_slos, environ=env)
+        elif not isinstance(slo, SloPolicy):
+            raise ValueError(f"slo: expected a SloPolicy, got {slo!r}")
+        elif slo_seconds is not None or route_slos is not None:
+            raise ValueError("slo: pass either slo= or slo_seconds=/route_slos=, not both")
+        prometheus = options.get("prometheus")
+        durations = DurationRecorder(
+            meter_provider=options.get("meter_provider"),
+            slo=slo,
+            extra_sinks=(prometheus.observe,) if prometheus is not None else (),
+        )
+        excluded_urls = options.get("excluded_urls")
+        return cls(
+            runtime=ProfilerRuntime(backend),
+            with_trace_id=trace_id_label,
+            durations=durations,
+            tracer_provider=options.get("tracer_provider"),
+            excluded=parse_excluded_urls(excluded_urls) if excluded_urls else None,
+        )
