@@ -31,16 +31,18 @@ def test_prometheus_finds_the_slow_requests_trace_id(tmp_path: Path) -> None:
         base = f"http://127.0.0.1:{app_port}"
         slow = httpx.get(f"{base}/work?sleep=0.2", timeout=10).json()
         fast = [httpx.get(f"{base}/work", timeout=10).json() for _ in range(5)]
-        text = httpx.get(
-            f"{base}/metrics/", headers={"Accept": "application/openmetrics-text"}, timeout=10
-        ).text
+        accept = {"Accept": "application/openmetrics-text"}
+        first = httpx.get(f"{base}/metrics", headers=accept, timeout=10)
+        assert first.status_code == 200  # served at /metrics itself, no redirect
+        text = httpx.get(f"{base}/metrics", headers=accept, timeout=10).text
         assert slow["trace_id"] in text  # exposed as an OpenMetrics exemplar
+        assert 'http_route="/metrics' not in text  # the first scrape was not observed
         config = tmp_path / "prometheus.yml"
         config.write_text(
             "global:\n  scrape_interval: 1s\n"
             "scrape_configs:\n"
             "  - job_name: app\n"
-            "    metrics_path: /metrics/\n"
+            "    metrics_path: /metrics\n"
             f"    static_configs:\n      - targets: ['127.0.0.1:{app_port}']\n"
         )
         with (tmp_path / "prometheus.log").open("wb") as log:

@@ -304,3 +304,71 @@ def test_otlp_exporter_carries_the_breach_exemplars(
     assert exemplars[0].span_id == breach.context.span_id.to_bytes(8, "big")
     assert exemplars[0].trace_id == breach.context.trace_id.to_bytes(16, "big")
     assert exemplars[0].as_double > 0.05
+
+
+def _prometheus_app(tracer_provider: TracerProvider, mount: bool = False) -> tuple[Any, Any]:
+    from starlette.routing import Mount
+
+    from spanprof import PrometheusMetrics
+
+    metrics = PrometheusMetrics()
+    endpoint = (
+        Mount("/metrics", app=metrics.asgi_app())
+        if mount
+        else Route("/metrics", metrics.asgi_app())
+    )
+    app = ProfilingMiddleware(
+        Starlette(routes=[Route("/checkout", _sleepy), endpoint]),
+        profiler=None,
+        tracer_provider=tracer_provider,
+        slo_seconds=10,
+        prometheus=metrics,
+        environ={},
+    )
+    return app, metrics
+
+
+def _scrape_routes(metrics: Any) -> set[str]:
+    """The http_route label values of the histogram's observed series."""
+    return {
+        sample.labels["http_route"]
+        for family in metrics.registry.collect()
+        for sample in family.samples
+        if sample.name.endswith("_count") and sample.value > 0
+    }
+
+
+def test_prometheus_route_serves_metrics_exactly_and_scrapes_are_not_observed(
+    tracer_provider: TracerProvider,
+) -> None:
+    """GET /metrics answers 200 (not a 307 to /metrics/); scrapes stay out of the histogram."""
+    app, metrics = _prometheus_app(tracer_provider)
+
+    async def main() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return [await client.get(p) for p in ("/checkout", "/metrics", "/metrics", "/metrics")]
+
+    responses = asyncio.run(main())
+    assert [r.status_code for r in responses] == [200, 200, 200, 200]
+    assert "http_server_request_duration_seconds_bucket" in responses[-1].text
+    assert 'http_route="/metrics"' not in responses[-1].text
+    assert _scrape_routes(metrics) == {"/checkout"}
+
+
+def test_prometheus_scrapes_through_an_old_style_mount_are_not_observed(
+    tracer_provider: TracerProvider,
+) -> None:
+    """Apps still mounting the endpoint do not count its scrapes as /metrics/{path:path}."""
+    app, metrics = _prometheus_app(tracer_provider, mount=True)
+    assert _run(app, ["/metrics/", "/checkout"]) == [200, 200]
+    assert _scrape_routes(metrics) == {"/checkout"}
+
+
+def test_prometheus_path_must_be_a_route() -> None:
+    """A path that is not a route (or is the root) is a ValueError naming ``path``."""
+    from spanprof import PrometheusMetrics
+
+    for bad in ("metrics", "/", ""):
+        with pytest.raises(ValueError, match="path"):
+            PrometheusMetrics(path=bad)

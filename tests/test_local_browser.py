@@ -11,11 +11,15 @@ import importlib.util
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
+
+from spanprof._profiling._samplers._signal import MAX_DEPTH
 
 from .conftest import require
 from .e2e.server import ROOT
-from .test_local_mode import SLOW, local_run, marker_name, markers_in
+from .test_local_hostile import DEEP_REQUEST, spanprof_dev
+from .test_local_mode import SLOW, local_run, marker_name, markers_in, settle
 
 pytestmark = pytest.mark.e2e
 
@@ -76,3 +80,38 @@ def test_clicking_a_breach_renders_that_requests_flame_graph(tmp_path: Path) -> 
     assert title == slow["span_name"]
     assert pprof_href == f"/api/pprof?span_id={slow['span_id']}"
     assert SCREENSHOT.stat().st_size > 10_000
+
+
+def test_a_900_frame_request_renders_its_flame_graph_down_to_the_leaf(tmp_path: Path) -> None:
+    """A request recursing 900 frames deep: its breach's flame graph draws its levels and leaf."""
+    chromium = shutil.which("chromium")
+    require(chromium is not None, "Debian's chromium is missing (apt-get install chromium)")
+    require(
+        importlib.util.find_spec("playwright") is not None,
+        "Playwright for Python is missing (pip install playwright; no browser download needed)",
+    )
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with spanprof_dev(tmp_path) as (_pid, app, ui, _log), sync_playwright() as playwright:
+        labels = httpx.get(f"{app}/deep/{DEEP_REQUEST}", params={"seconds": 0.6}, timeout=60).json()
+        settle(ui)
+        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.goto(f"{ui}/")
+            row = page.locator(f'tr.breach[data-span-id="{labels["span_id"]}"]')
+            row.wait_for(timeout=TIMEOUT_MS)
+            row.click()
+            leaf = page.locator("#flamegraph .d3-flame-graph-label", has_text="deep_leaf")
+            leaf.first.wait_for(state="visible", timeout=TIMEOUT_MS)
+            names = page.eval_on_selector_all(
+                "#flamegraph g.frame", "frames => frames.map(f => f.getAttribute('name'))"
+            )
+        finally:
+            browser.close()
+    assert errors == []
+    assert "deep_leaf" in names
+    # The exact sampler keeps a stack's MAX_DEPTH leaf-most frames (pyroscope-io all).
+    assert names.count("_descend") >= min(DEEP_REQUEST, MAX_DEPTH) - 1

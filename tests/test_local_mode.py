@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import re
+import socket
 import subprocess
 import sys
 import time
+import tracemalloc
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind
 from starlette.applications import Starlette
@@ -32,10 +36,19 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from spanprof import ProfilingMiddleware, current_labels
-from spanprof._local import LocalMode, SampleStore, SpanStore, detect_interface, import_app
+from spanprof._local import (
+    LocalMode,
+    SampleStore,
+    SpanStore,
+    UiServer,
+    detect_interface,
+    import_app,
+)
 from spanprof._local._cli import main as cli_main
 from spanprof._local._receiver import ReceivedPush
 from spanprof._local._slo import policy_env, policy_from
+from spanprof._local._ui import _tree_json
+from spanprof._logging import reset_log_once
 from spanprof._profiling._encoders._pprof import ProfileBuilder, decode_profile
 from spanprof._profiling._encoders._protowire import (
     as_bytes,
@@ -544,6 +557,44 @@ def test_span_store_keeps_bounded_traces() -> None:
     assert store.spans_seen == 5
 
 
+def test_span_store_is_bounded_by_bytes_whatever_trace_ids_clients_pick() -> None:
+    """Requests grouped into a few client-chosen traces, with huge URLs, keep max_bytes."""
+    store = SpanStore(policy_from({}, slo="10"), max_bytes=1024 * 1024)
+    provider = TracerProvider()
+    provider.add_span_processor(store)
+    tracer = provider.get_tracer("test")
+    url = "http://127.0.0.1/x?" + "q" * 50_000
+    parents = [
+        trace.set_span_in_context(
+            trace.NonRecordingSpan(
+                trace.SpanContext(0xAB00 + t, 0xCD, is_remote=True, trace_flags=trace.TraceFlags(1))
+            )
+        )
+        for t in range(4)
+    ]
+    tracemalloc.start()
+    try:
+        for i in range(3000):
+            span = tracer.start_span(
+                "GET /x" + "n" * 5000,
+                context=parents[i % 4],
+                kind=SpanKind.SERVER,
+                attributes={"http.route": "/x", "url.full": url},
+            )
+            span.end()
+        kept = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    counters = store.counters()
+    assert counters["kept_bytes"] <= 2 * 1024 * 1024
+    assert counters["evicted_requests"] > 0
+    assert kept < 6 * 1024 * 1024, kept  # unbounded, it was 3,000 x 55 KB = 165 MB
+    newest = store.requests()[-1]
+    assert len(newest.name) <= 1025
+    assert len(dict(newest.attributes)["url.full"]) <= 1025
+    assert newest.route == "/x"
+
+
 def _push(*samples: tuple[tuple[Frame, ...], int, tuple[tuple[str, str], ...]]) -> ReceivedPush:
     builder = ProfileBuilder((("cpu", "nanoseconds"),), period=10_000_000)
     for stack, value, labels in samples:
@@ -593,6 +644,239 @@ def test_sample_store_bounds_span_ids() -> None:
         store.ingest(_push((frame, 10_000_000, (("span_id", span),))))
     totals = [store.sample_total(s) for s in ("01" * 8, "02" * 8, "03" * 8)]
     assert totals == [0, 10_000_000, 10_000_000]
+
+
+def _deep_stack(depth: int, leaf: str = "leaf_fn") -> tuple[Frame, ...]:
+    """A leaf-first stack of ``depth`` frames: ``leaf``, recursion frames, then ``main``."""
+    middle = tuple(Frame("recurse", "m.py", 10 + i % 3) for i in range(depth - 2))
+    return (Frame(leaf, "m.py", 1), *middle, Frame("main", "m.py", 99))
+
+
+def test_sample_store_cuts_deep_stacks_keeping_leaf_and_root() -> None:
+    """A 50,000-frame stack is kept as max_depth frames: leaf end, an elision marker, root end."""
+    store = SampleStore(max_depth=100)
+    span = "00000000000000aa"
+    store.ingest(_push((_deep_stack(50_000), 10_000_000, (("span_id", span),))))
+    profile = store.span(span)
+    assert profile is not None
+    [stack] = profile.stacks
+    assert len(stack) == 100
+    assert (stack[0].function, stack[-1].function) == ("leaf_fn", "main")
+    assert stack[50].function == "[49901 frames elided]"
+    assert store.status()["kept_bytes"] < 10_000
+    # Below the cap a stack is kept whole.
+    whole = _deep_stack(99)
+    store.ingest(_push((whole, 10_000_000, (("span_id", span),))))
+    assert whole in store.span(span).stacks  # type: ignore[union-attr]
+
+
+def test_sample_store_is_bounded_by_bytes_and_counts_evictions() -> None:
+    """Uploads with long names and many distinct stacks keep max_bytes, dropping oldest spans."""
+    store = SampleStore(max_bytes=512 * 1024)
+    long_name = "f" * 5_000
+    spans = [f"{i:016x}" for i in range(200)]
+    tracemalloc.start()
+    try:
+        for n, span in enumerate(spans):
+            labels = (("span_id", span),)
+            unique = [(Frame(f"{long_name}{n}.{k}", long_name, k),) for k in range(10)]
+            store.ingest(_push(*((f + _deep_stack(50), 1, labels) for f in unique)))
+        kept = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    status = store.status()
+    assert status["kept_bytes"] <= 512 * 1024
+    assert status["evicted_spans"] > 0
+    assert store.sample_total(spans[0]) == 0
+    assert store.sample_total(spans[-1]) == 10
+    # The estimate tracks what is really held (the uploads themselves are freed by now):
+    # 200 spans of 10 names of 10 KB would be 20 MB.
+    assert kept < 2 * 1024 * 1024, kept
+
+
+def test_sample_store_shares_frames_between_uploads() -> None:
+    """The same code uploaded a thousand times costs one set of frames, not a thousand."""
+    store = SampleStore()
+    for i in range(1000):
+        store.ingest(_push((_deep_stack(50), 1, (("span_id", f"{i:016x}"),))))
+    profiles = [store.span(f"{i:016x}") for i in (0, 999)]
+    first, last = (next(iter(p.stacks)) for p in profiles if p is not None)
+    assert all(a is b for a, b in zip(first, last, strict=True))
+
+
+def _ui(samples: SampleStore) -> UiServer:
+    return UiServer(SpanStore(policy_from({})), samples, port=0)
+
+
+@pytest.mark.parametrize("depth", [900, 2048, 5000])
+def test_flamegraph_api_renders_stacks_of_any_depth(depth: int) -> None:
+    """/api/flamegraph answers 200 for a deep recursion, with its leaf at the tree's bottom."""
+    samples = SampleStore()
+    span = "00000000000000aa"
+    samples.ingest(_push((_deep_stack(depth), 10_000_000, (("span_id", span),))))
+    ui = _ui(samples).start()
+    try:
+        response = httpx.get(f"http://127.0.0.1:{ui.port}/api/flamegraph?span_id={span}")
+    finally:
+        ui.stop()
+    assert response.status_code == 200, response.text[:300]
+    # json.loads recurses per level like json.dumps did: read the single chain as text.
+    body = response.text
+    assert body.count('"children": [') == min(depth, 2048) + 1
+    last = body.rpartition('{"name": ')[2]
+    assert last.startswith('"leaf_fn", "file": "m.py", "value": 10000000, "children": []}')
+    assert body.endswith("]}" * (min(depth, 2048) + 1) + "}")
+
+
+def test_tree_json_writes_any_depth_as_json_would() -> None:
+    """The flame-graph encoder matches json.dumps, and goes on where json.dumps recurses out."""
+    samples = SampleStore(max_depth=30_000)
+    samples.ingest(_push((_deep_stack(40), 5, (("span_id", "00" * 8),))))
+    samples.ingest(_push((_deep_stack(20_000), 7, (("span_id", "01" * 8),))))
+    shallow = samples.flamegraph("00" * 8)
+    assert json.loads(_tree_json(shallow)) == shallow
+    deep = samples.flamegraph("01" * 8)
+    with pytest.raises(RecursionError):
+        json.dumps(deep)
+    encoded = _tree_json(deep)
+    assert encoded.count('"children": [') == 20_001
+    assert encoded.endswith(
+        '"leaf_fn", "file": "m.py", "value": 7, "children": []' + "}]" * 20_000 + "}"
+    )
+
+
+@contextmanager
+def _page(host: str = "127.0.0.1", samples: SampleStore | None = None) -> Iterator[str]:
+    """A started UiServer on ``host`` and a free port; yields its ``host:port``."""
+    ui = UiServer(SpanStore(policy_from({})), samples or SampleStore(), host=host, port=0)
+    ui.start()
+    try:
+        yield f"{host}:{ui.port}"
+    finally:
+        ui.stop()
+
+
+def _get(authority: str, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.get(f"http://{authority}{path}", headers=headers or {}, timeout=10)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2"])
+def test_page_answers_its_own_address_and_origin_only(
+    host: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its own Host and Origin get 200; a rebinding name or another origin 403, logged once."""
+    reset_log_once()
+    with _page(host) as authority, caplog.at_level(logging.WARNING, logger="spanprof"):
+        port = authority.rpartition(":")[2]
+        assert _get(authority, "/api/status").status_code == 200
+        assert _get(authority, "/", {"Host": f"localhost:{port}"}).status_code == 200
+        own = {"Origin": f"http://{authority}"}
+        assert _get(authority, "/api/status", own).status_code == 200
+        for _ in range(3):
+            evil = _get(authority, "/api/status", {"Origin": "https://evil.example"})
+            assert evil.status_code == 403
+            rebound = _get(authority, "/api/status", {"Host": f"evil.example:{port}"})
+            assert rebound.status_code == 403
+        posted = httpx.post(f"http://{authority}/api/status", content=b"x", timeout=10)
+        assert posted.status_code == 405
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 2, refusals  # one per kind, not one per request
+
+
+def test_page_on_every_interface_accepts_addresses_but_not_names() -> None:
+    """On 0.0.0.0 any IP literal Host is fine (it cannot be rebound), a foreign name is not."""
+    with _page("0.0.0.0") as authority:
+        port = authority.rpartition(":")[2]
+        for host in (f"127.0.0.1:{port}", f"192.0.2.7:{port}", f"[::1]:{port}"):
+            assert _get(f"127.0.0.1:{port}", "/api/status", {"Host": host}).status_code == 200
+        foreign = _get(f"127.0.0.1:{port}", "/api/status", {"Host": "evil.example"})
+        assert foreign.status_code == 403
+
+
+def test_cli_warns_loudly_when_the_page_leaves_loopback(capsys: pytest.CaptureFixture[str]) -> None:
+    """--ui-host 0.0.0.0 prints a warning naming the exposure; the default prints none."""
+    argv = ["dev", "tests.test_local_mode:nothing_here", "--ui-port", "0", "--port", "0"]
+    assert cli_main([*argv, "--ui-host", "0.0.0.0"]) == 1
+    err = capsys.readouterr().err
+    assert "WARNING" in err
+    assert "every interface" in err
+    assert cli_main(argv) == 1
+    assert "WARNING" not in capsys.readouterr().err
+
+
+def _raw_get(authority: str, target: bytes) -> bytes:
+    """GET ``target`` exactly as given (httpx would normalise ``..``); the whole response."""
+    host, _, port = authority.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(
+            b"GET " + target + b" HTTP/1.1\r\nHost: " + authority.encode() + b"\r\n"
+            b"Connection: close\r\n\r\n"
+        )
+        return b"".join(iter(lambda: sock.recv(65536), b""))
+
+
+def test_static_lookup_does_not_traverse() -> None:
+    """Dot segments, encoded or not, never reach files outside the static folder."""
+    with _page() as authority:
+        for target in (
+            b"/static/../_ui.py",
+            b"/static/%2e%2e/_ui.py",
+            b"/static/..%2f_ui.py",
+            b"/static//etc/passwd",
+            b"/../../../../etc/passwd",
+        ):
+            response = _raw_get(authority, target)
+            assert response.startswith(b"HTTP/1.1 404"), (target, response[:100])
+            assert b"import" not in response
+            assert b"root:" not in response
+
+
+def test_nothing_a_client_sends_is_served_as_html_or_script() -> None:
+    """Error answers echoing a request are JSON or plain text, nosniff, never HTML."""
+    with _page() as authority:
+        not_found = _raw_get(authority, b"/%3Cscript%3Ealert(1)%3C/script%3E?x=%3Cimg%3E")
+        unparsable = _raw_get(authority, b"/<script>alert(1)</script> <img src=x>")
+    head, _, body = not_found.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404")
+    headers = head.decode().lower()
+    assert "content-type: application/json" in headers
+    assert "x-content-type-options: nosniff" in headers
+    assert "script-src 'self';" in headers
+    assert json.loads(body)["error"] == "no such page: /%3Cscript%3Ealert(1)%3C/script%3E"
+    head, _, body = unparsable.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400")
+    assert "content-type: text/plain" in head.decode().lower()
+    assert b"<script>" not in body
+
+
+def test_page_script_never_writes_html_from_data() -> None:
+    """app.js puts every name, path and label into the DOM as text, never as markup."""
+    script = (ROOT / "middleware/spanprof/_local/static/app.js").read_text()
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", ".html("):
+        assert sink not in script, sink
+    assert "textContent" in script
+    index = (ROOT / "middleware/spanprof/_local/static/index.html").read_text()
+    assert "<script>" not in index
+    assert "onclick" not in index.lower()
+
+
+def test_page_survives_a_thousand_half_open_connections() -> None:
+    """1,000 connections that send half a request open at once and leave the page answering."""
+    with _page() as authority:
+        host, _, port = authority.rpartition(":")
+        sockets = []
+        started = time.monotonic()
+        try:
+            for _ in range(1000):
+                sock = socket.create_connection((host, int(port)), timeout=5)
+                sock.sendall(b"GET /api/status HTTP/1.1\r\nHost: ")
+                sockets.append(sock)
+            assert _get(authority, "/api/status").status_code == 200
+            # With socketserver's backlog of 5, dropped SYNs made this take 150 s.
+            assert time.monotonic() - started < 20
+        finally:
+            for sock in sockets:
+                sock.close()
 
 
 def test_slo_flags_override_the_environment_and_round_trip() -> None:

@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import http.client
 import json
+import logging
+import socket
 import subprocess
 import sys
 import textwrap
+import time
+import tracemalloc
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from spanprof._local._receiver import PushReceiver, ReceivedPush
+from spanprof._logging import reset_log_once
 from spanprof._profiling._encoders._pprof import (
+    InflatedTooLargeError,
     Profile,
     ProfileBuilder,
     ProfileDecodeError,
     Sample,
     decode_profile,
     encode_profile,
+    gunzip_bounded,
 )
 from spanprof._profiling._encoders._protowire import (
     WIRE_LEN,
@@ -39,6 +48,7 @@ from spanprof._profiling._encoders._push import (
     PUSH_CONTENT_TYPE,
     PUSH_PATH,
     PushDecodeError,
+    PushTooLargeError,
     decode_push_request,
     encode_push_request,
 )
@@ -328,6 +338,182 @@ def test_receiver_on_push_callback_errors_are_recorded() -> None:
     assert "boom" in receiver.errors[0]
 
 
+MIB = 1024 * 1024
+
+
+def _bomb(inflated: int) -> bytes:
+    """A gzip body of ``inflated`` zero bytes: about a thousandth of that on the wire."""
+    return gzip.compress(bytes(inflated), compresslevel=9)
+
+
+def _peak_bytes(call: Callable[[], object]) -> int:
+    """The peak of Python allocations while ``call`` runs (its exception is swallowed)."""
+    tracemalloc.start()
+    try:
+        with contextlib.suppress(Exception):
+            call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_gzip_bomb_stops_inflating_at_the_cap() -> None:
+    """A body that inflates past max_inflated raises PushTooLargeError and never inflates fully."""
+    bomb = _bomb(64 * MIB)
+    assert len(bomb) < 100_000
+    with pytest.raises(PushTooLargeError):
+        decode_push_request(bomb, None, max_inflated=MIB)
+    assert _peak_bytes(lambda: decode_push_request(bomb, "gzip", max_inflated=MIB)) < 8 * MIB
+
+
+def test_gzip_bombs_nested_in_a_push_share_one_budget() -> None:
+    """A gzipped profile inside the push, or gzip inside gzip, counts against the same cap."""
+    nested = encode_push_request([([("__name__", "process_cpu")], [_bomb(64 * MIB)])])
+    with pytest.raises(PushTooLargeError):
+        decode_push_request(gzip.compress(nested), "gzip", max_inflated=MIB)
+    with pytest.raises(InflatedTooLargeError):
+        decode_profile(_bomb(64 * MIB), max_inflated=MIB)
+    double = gzip.compress(_bomb(64 * MIB))
+    twice = encode_push_request([([("__name__", "process_cpu")], [double])])
+    assert _peak_bytes(lambda: decode_push_request(twice, None, max_inflated=MIB)) < 8 * MIB
+
+
+def test_bounded_gunzip_reads_what_gzip_reads() -> None:
+    """Concatenated members and zero padding inflate; a truncated stream is an error."""
+    raw = encode_profile(_sample_profile())
+    two = gzip.compress(raw[:10]) + gzip.compress(raw[10:]) + bytes(8)
+    assert decode_profile(two, max_inflated=len(raw)) == _sample_profile()
+    with pytest.raises(ProfileDecodeError, match="truncated"):
+        decode_profile(gzip.compress(raw)[:-12], max_inflated=MIB)
+    with pytest.raises(InflatedTooLargeError):
+        decode_profile(gzip.compress(raw), max_inflated=len(raw) - 1)
+
+
+def _raw_request(port: int, head: bytes, *, timeout: float = 5.0) -> bytes:
+    """Send ``head`` on a fresh connection left open, and read the response's status line."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(head)
+        return sock.makefile("rb").readline()
+
+
+@pytest.mark.parametrize("size", [b"-1", b"+5", b"0x5", b"1_0", b" ", b"fffffffffffffffffff"])
+def test_malformed_chunk_sizes_get_400_without_waiting_for_the_client(
+    push_receiver: PushReceiver, size: bytes
+) -> None:
+    """A chunk size int(, 16) would accept but HTTP does not is answered at once, not read on."""
+    head = (
+        b"POST " + PUSH_PATH.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/proto\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + size
+        + b"\r\nabcde\r\n"
+    )
+    assert _raw_request(push_receiver.port, head, timeout=3).startswith(b"HTTP/1.1 400")
+    assert push_receiver.pushes == 0
+    assert "chunk" in push_receiver.errors[-1]
+
+
+def test_chunked_bodies_are_capped_in_total() -> None:
+    """Many small chunks adding up past max_body_bytes get 413."""
+    with PushReceiver(max_body_bytes=1000) as receiver:
+        head = (
+            b"POST " + PUSH_PATH.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/proto\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"".join(b"100\r\n" + bytes(256) + b"\r\n" for _ in range(5))
+        )
+        assert _raw_request(receiver.port, head).startswith(b"HTTP/1.1 413")
+
+
+def test_receiver_answers_a_bomb_413_and_keeps_serving() -> None:
+    """An oversized gzip push gets resource_exhausted; the next real push is accepted."""
+    with PushReceiver(max_inflated_bytes=MIB) as receiver:
+        status, _headers, payload = _post(
+            receiver.url + PUSH_PATH, _bomb(64 * MIB), {"Content-Type": PUSH_CONTENT_TYPE}
+        )
+        assert status == 413
+        assert json.loads(payload)["code"] == "resource_exhausted"
+        ok = _post(receiver.url + PUSH_PATH, encode_push_request([]), _PROTO)
+        assert ok[0] == 200
+        assert receiver.pushes == 1
+
+
+_PROTO = {"Content-Type": PUSH_CONTENT_TYPE}
+
+
+def test_receiver_answers_an_otlp_bomb_413_and_keeps_serving() -> None:
+    """OTLP profiles inflate under the same cap as pushes: a bomb gets 413, not gigabytes."""
+    headers = {"Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"}
+    with PushReceiver(max_inflated_bytes=MIB) as receiver:
+        url = receiver.url + "/v1development/profiles"
+        bomb = _bomb(64 * MIB)
+        assert _peak_bytes(lambda: _post(url, bomb, headers)) < 16 * MIB
+        assert _post(url, bomb, headers)[0] == 413
+        assert _post(url, gzip.compress(b""), headers)[0] == 200
+
+
+def test_receiver_refuses_what_a_web_page_can_send(
+    push_receiver: PushReceiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Origin, a foreign Host, no Content-Type, a preflight: all refused, each kind logged once."""
+    reset_log_once()
+    body = encode_push_request([([("__name__", "process_cpu")], [])])
+    url = push_receiver.url + PUSH_PATH
+    with caplog.at_level(logging.WARNING, logger="spanprof"):
+        for _ in range(3):
+            origin = {**_PROTO, "Origin": "https://evil.example"}
+            assert _post(url, body, origin)[0] == 403
+            assert _post(url, body, {**_PROTO, "Host": "evil.example"})[0] == 403
+        conn = http.client.HTTPConnection("127.0.0.1", push_receiver.port, timeout=5)
+        try:
+            # A no-cors fetch with a Blob body: no Content-Type (urllib would add a form type).
+            conn.request("POST", PUSH_PATH, body=body, headers={})
+            response = conn.getresponse()
+            response.read()
+            assert response.status == 415
+            conn.request("OPTIONS", PUSH_PATH, headers={})
+            assert conn.getresponse().status == 405
+        finally:
+            conn.close()
+    assert push_receiver.pushes == 0
+    foreign = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len([m for m in foreign if "Origin" in m]) == 1, foreign
+    assert len([m for m in foreign if "Host" in m]) == 1, foreign
+    assert len([e for e in push_receiver.errors if "refused" in e]) == 6
+    for host in (f"127.0.0.1:{push_receiver.port}", f"localhost:{push_receiver.port}"):
+        assert _post(url, body, {**_PROTO, "Host": host})[0] == 200
+
+
+def test_receiver_keeps_a_bounded_error_list(push_receiver: PushReceiver) -> None:
+    """A flood of rejected requests keeps the last 1,000 errors, not all of them."""
+    conn = http.client.HTTPConnection("127.0.0.1", push_receiver.port, timeout=5)
+    try:
+        for _ in range(1005):
+            conn.request("POST", PUSH_PATH, body=b"x", headers={"Content-Type": "text/plain"})
+            response = conn.getresponse()
+            response.read()
+            assert response.status == 415
+    finally:
+        conn.close()
+    assert len(push_receiver.errors) == 1000
+
+
+def test_receiver_survives_a_thousand_half_open_connections(push_receiver: PushReceiver) -> None:
+    """1,000 connections that send half a request open at once; pushes are still accepted."""
+    sockets = []
+    started = time.monotonic()
+    try:
+        for _ in range(1000):
+            sock = socket.create_connection(("127.0.0.1", push_receiver.port), timeout=5)
+            sock.sendall(b"POST " + PUSH_PATH.encode() + b" HTTP/1.1\r\nHost: ")
+            sockets.append(sock)
+        status = _post(push_receiver.url + PUSH_PATH, encode_push_request([]), _PROTO)[0]
+        assert status == 200
+        # With socketserver's backlog of 5, dropped SYNs made this take minutes.
+        assert time.monotonic() - started < 20
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 _AGENT_SCRIPT = textwrap.dedent(
     """
     import logging, sys, time
@@ -417,3 +603,9 @@ def test_real_pyroscope_agent_pushes_span_labels(
     # for alpha), hence the slack.
     assert 0.5e9 <= alpha_total <= 2.5e9
     assert 0.1e9 <= sum(s.value for s in beta) <= 1.2e9
+
+
+def test_bounded_gunzip_takes_an_empty_member() -> None:
+    """gzip of nothing is valid gzip (it was called a truncated stream)."""
+    assert gunzip_bounded(gzip.compress(b""), MIB) == b""
+    assert gunzip_bounded(gzip.compress(b"") + gzip.compress(b"ab"), MIB) == b"ab"

@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import Route
 
 from spanprof import ProfilingMiddleware, PrometheusMetrics, current_labels
 
@@ -31,7 +31,7 @@ app = ProfilingMiddleware(
         routes=[
             Route("/work", work),
             Route("/health", health),
-            Mount("/metrics", app=metrics.asgi_app()),
+            Route("/metrics", metrics.asgi_app()),
         ]
     ),
     profiler=None,

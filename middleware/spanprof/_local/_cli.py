@@ -32,7 +32,12 @@ def _parser() -> argparse.ArgumentParser:
     dev.add_argument("--factory", action="store_true", help="call module:attribute to get the app")
     dev.add_argument("--host", default="127.0.0.1", help="app host (default 127.0.0.1)")
     dev.add_argument("--port", type=int, default=8000, help="app port (default 8000)")
-    dev.add_argument("--ui-host", default="127.0.0.1", help="page host (default 127.0.0.1)")
+    dev.add_argument(
+        "--ui-host",
+        default="127.0.0.1",
+        help="page host (default 127.0.0.1; anything else shows your profiles, traces and "
+        "request URLs to whoever can reach that address)",
+    )
     dev.add_argument("--ui-port", type=int, default=8001, help="page port (default 8001)")
     dev.add_argument(
         "--slo",
@@ -64,6 +69,19 @@ def _describe(policy: SloPolicy) -> str:
     return f"SLO {policy.default:g} s" + (f" ({routes})" if routes else "")
 
 
+def _exposure_warning(local: LocalMode) -> str | None:
+    """What to tell the developer when the page listens beyond loopback."""
+    ui = local.ui
+    if ui.loopback_only:
+        return None
+    where = "every interface" if ui.wildcard else ui.host
+    return (
+        f"spanprof dev: WARNING: the local page listens on {where} (--ui-host {ui.host}), not "
+        "only on loopback: anyone who can reach it reads your profiles, traces and request "
+        "URLs, with no authentication. Use --ui-host 127.0.0.1 unless you mean it."
+    )
+
+
 def dev(args: argparse.Namespace) -> int:
     """``spanprof dev``: serve the app in local mode until Ctrl-C (or ``--duration``)."""
     try:
@@ -87,6 +105,9 @@ def dev(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"spanprof dev: cannot listen for the page: {exc}", file=sys.stderr)
         return 1
+    warning = _exposure_warning(local)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
     try:
         try:
             app = import_app(args.app, factory=args.factory, app_dir=args.app_dir)
@@ -95,7 +116,10 @@ def dev(args: argparse.Namespace) -> int:
             return 1
         local.install_tracing()
         print(f"spanprof dev: app        {local.app_url}  ({args.app})", flush=True)
-        print(f"spanprof dev: local page {local.ui_url}", flush=True)
+        listening = (
+            f"  (listening on {local.ui.host}: every interface)" if local.ui.wildcard else ""
+        )
+        print(f"spanprof dev: local page {local.ui_url}{listening}", flush=True)
         print(
             f"spanprof dev: {_describe(policy)}; profiles uploaded every second; Ctrl-C stops",
             flush=True,

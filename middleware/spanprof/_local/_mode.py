@@ -36,6 +36,14 @@ from ._ui import UiServer
 __all__ = ["LocalMode", "detect_interface", "import_app"]
 
 UPLOAD_INTERVAL_SECONDS = 1
+# Anything on the machine (any web page the developer visits) can reach the receiver, so its
+# limits are set for one app's one-second uploads (kilobytes to hundreds of kilobytes), not for
+# a shared server: a decoded push costs up to ~25 times its inflated size, and the whole
+# process should stay within ~150 MiB of its idle size under any input.
+_MAX_PUSH_BYTES = 2 * 1024 * 1024
+_MAX_INFLATED_PUSH_BYTES = 2 * 1024 * 1024
+_MAX_SAMPLE_BYTES = 24 * 1024 * 1024
+_MAX_SPAN_BYTES = 16 * 1024 * 1024
 
 
 def import_app(spec: str, *, factory: bool = False, app_dir: str | None = ".") -> Any:
@@ -121,9 +129,13 @@ class LocalMode:
         self.service_name = (
             service_name or self.environ.get("OTEL_SERVICE_NAME", "").strip() or "spanprof-dev"
         )
-        self.spans = SpanStore(self.policy)
-        self.samples = SampleStore()
-        self.receiver = PushReceiver(on_push=self._on_push)
+        self.spans = SpanStore(self.policy, max_bytes=_MAX_SPAN_BYTES)
+        self.samples = SampleStore(max_bytes=_MAX_SAMPLE_BYTES)
+        self.receiver = PushReceiver(
+            on_push=self._on_push,
+            max_body_bytes=_MAX_PUSH_BYTES,
+            max_inflated_bytes=_MAX_INFLATED_PUSH_BYTES,
+        )
         self.ui = UiServer(
             self.spans, self.samples, status=self._status, host=ui_host, port=ui_port
         )

@@ -11,13 +11,13 @@ embedded local UI.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
+import re
 import socket
 import threading
 import time
 import traceback
-import zlib
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,9 +25,17 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
+from .._logging import log_once
 from .._profiling._encoders._otlp import decode_export_request
+from .._profiling._encoders._pprof import InflatedTooLargeError, gunzip_bounded
 from .._profiling._encoders._protowire import ProtoDecodeError
-from .._profiling._encoders._push import PUSH_PATH, PushSeries, decode_push_request
+from .._profiling._encoders._push import (
+    DEFAULT_MAX_INFLATED,
+    PUSH_PATH,
+    PushSeries,
+    PushTooLargeError,
+    decode_push_request,
+)
 from .._profiling._window import Frame
 
 __all__ = ["PushReceiver", "ReceivedPush", "ReceivedSample"]
@@ -36,10 +44,18 @@ __all__ = ["PushReceiver", "ReceivedPush", "ReceivedSample"]
 _INGEST_PATH = "/ingest"
 #: OTLP profiles over HTTP (``http/protobuf``).
 _OTLP_PATH = "/v1development/profiles"
+# No empty Content-Type: agents always send one, and a browser can only send a body without
+# a CORS preflight when its type is empty or one of three form/text types.
 _PROTO_CONTENT_TYPES = frozenset(
-    {"", "application/proto", "application/protobuf", "application/x-protobuf"}
+    {"application/proto", "application/protobuf", "application/x-protobuf"}
 )
 _DEFAULT_MAX_BODY = 64 * 1024 * 1024
+# A chunk-size line: hex digits only (no sign, no "0x", no underscores, as int(, 16) allows),
+# then optional chunk extensions.
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?\r?\n\Z")
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+# Rejected requests are kept for tests and the page; a flood of them must not grow memory.
+_MAX_ERRORS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +99,19 @@ class _BodyError(Exception):
         self.status = status
 
 
+def _host_name(host: str) -> str:
+    """The name part of a ``Host`` header value (``[::1]:80`` -> ``::1``), lowercased."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default backlog of 5 drops SYNs when connections arrive in a burst, and
+    # each dropped one costs its client a second or more of retransmission.
+    request_queue_size = 1024
 
     def __init__(self, address: tuple[str, int], receiver: PushReceiver) -> None:
         self.receiver = receiver
@@ -118,6 +145,9 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    # http.server answers unparsable requests with an HTML page quoting the request line.
+    error_content_type = "text/plain; charset=utf-8"
+    error_message_format = "%(code)d %(message)s\n"
     protocol_version = "HTTP/1.1"
     server_version = "spanprof-receiver"
     sys_version = ""
@@ -129,11 +159,13 @@ class _Handler(BaseHTTPRequestHandler):
         return
 
     def do_POST(self) -> None:
+        if self._refuse_foreign():
+            return
         path = urlsplit(self.path).path
         try:
             body = self._read_body(self.server.receiver.max_body_bytes)
         except _BodyError as exc:
-            self.server.receiver._record_error(str(exc))
+            self.server.receiver._reject("body", str(exc))
             code = "resource_exhausted" if exc.status == 413 else "invalid_argument"
             self._connect_error(exc.status, code, str(exc))
             self.close_connection = True
@@ -148,21 +180,64 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(404, b"404 page not found\n", "text/plain; charset=utf-8")
 
     def do_GET(self) -> None:
+        if self._refuse_foreign():
+            return
         self._reply(404, b"404 page not found\n", "text/plain; charset=utf-8")
+
+    def do_OPTIONS(self) -> None:
+        # A CORS preflight: answering it with anything but 2xx makes the browser give up.
+        if self._refuse_foreign():
+            return
+        self._reply(405, b"", "text/plain")
+        self.close_connection = True
+
+    def _refuse_foreign(self) -> bool:
+        """Answer 403 to what a web page sent, not an agent; ``True`` when refused.
+
+        Any page the developer visits can make the browser send requests to loopback. Agents
+        send no ``Origin`` and address the receiver by its own name; a page's requests carry
+        an ``Origin``, and a DNS-rebinding page's carry its own host name.
+        """
+        receiver = self.server.receiver
+        origin = self.headers.get("Origin")
+        host = self.headers.get("Host")
+        if origin is not None:
+            kind, reason = (
+                "origin",
+                f"refused a request with Origin {origin[:100]!r} (agents send none)",
+            )
+        elif host is not None and _host_name(host) not in receiver.host_names:
+            kind, reason = "host", f"refused a request for Host {host[:100]!r}"
+        else:
+            return False
+        receiver._reject(kind, reason)
+        # The body is not read: close instead of parsing it as the next request.
+        self.close_connection = True
+        self._reply(403, b"forbidden\n", "text/plain; charset=utf-8")
+        return True
 
     def _push(self, body: bytes) -> None:
         receiver = self.server.receiver
         content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         if content_type not in _PROTO_CONTENT_TYPES:
-            msg = f"unsupported Content-Type {content_type!r}"
-            receiver._record_error(msg)
+            receiver._reject("content-type", f"unsupported Content-Type {content_type[:100]!r}")
             # Connect answers an unknown codec with a bare 415.
             self._reply(415, b"", "text/plain")
             return
         try:
-            series = decode_push_request(body, self.headers.get("Content-Encoding"))
+            # One decode at a time: a decoded push is several times its inflated size.
+            with receiver._decode_lock:
+                series = decode_push_request(
+                    body,
+                    self.headers.get("Content-Encoding"),
+                    max_inflated=receiver.max_inflated_bytes,
+                )
+        except PushTooLargeError as exc:
+            receiver._reject("too-large", f"push too large: {exc}")
+            self._connect_error(413, "resource_exhausted", str(exc))
+            return
         except ProtoDecodeError as exc:
-            receiver._record_error(f"undecodable push: {exc}")
+            receiver._reject("undecodable", f"undecodable push: {exc}")
             self._connect_error(400, "invalid_argument", str(exc))
             return
         receiver._record_push(
@@ -181,12 +256,18 @@ class _Handler(BaseHTTPRequestHandler):
         encoding = (self.headers.get("Content-Encoding") or "").strip().lower()
         try:
             if encoding == "gzip":
-                body = gzip.decompress(body)
+                # Inflated under the same cap as pushes: a small bomb must not cost gigabytes.
+                body = gunzip_bounded(body, receiver.max_inflated_bytes)
             elif encoding not in ("", "identity"):
                 raise ProtoDecodeError(f"unsupported Content-Encoding {encoding!r}")
-            series = decode_export_request(body)
-        except (ProtoDecodeError, OSError, EOFError, zlib.error) as exc:
-            receiver._record_error(f"undecodable OTLP profiles: {exc}")
+            with receiver._decode_lock:
+                series = decode_export_request(body)
+        except InflatedTooLargeError as exc:
+            receiver._reject("too-large", f"OTLP profiles too large: {exc}")
+            self._reply(413, str(exc).encode(), "text/plain; charset=utf-8")
+            return
+        except ProtoDecodeError as exc:
+            receiver._reject("undecodable", f"undecodable OTLP profiles: {exc}")
             self._reply(400, str(exc).encode(), "text/plain; charset=utf-8")
             return
         receiver._record_push(
@@ -217,20 +298,23 @@ class _Handler(BaseHTTPRequestHandler):
         total = 0
         while True:
             line = self.rfile.readline(1024)
-            try:
-                size = int(line.split(b";")[0].strip(), 16)
-            except ValueError:
-                raise _BodyError(400, "invalid chunked encoding") from None
+            match = _CHUNK_SIZE.match(line)
+            if match is None:
+                raise _BodyError(400, "invalid chunked encoding: bad chunk size line")
+            size = int(match.group(1), 16)
             if size == 0:
-                # Trailer section ends with an empty line.
-                while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
-                    pass
-                return b"".join(chunks)
+                # The trailer section ends with an empty line; bound it like the chunks.
+                for _ in range(64):
+                    if self.rfile.readline(1024) in (b"\r\n", b"\n", b""):
+                        return b"".join(chunks)
+                raise _BodyError(400, "invalid chunked encoding: trailer too long")
             total += size
             if total > limit:
                 raise _BodyError(413, f"body exceeds limit {limit}")
-            chunks.append(self.rfile.read(size))
-            self.rfile.readline(8)
+            chunk = self.rfile.read(size)
+            if len(chunk) != size or self.rfile.readline(8) not in (b"\r\n", b"\n"):
+                raise _BodyError(400, "invalid chunked encoding: truncated chunk")
+            chunks.append(chunk)
 
     def _connect_error(self, status: int, code: str, message: str) -> None:
         body = json.dumps({"code": code, "message": message}).encode()
@@ -251,8 +335,13 @@ class PushReceiver:
     Use as a context manager, point an agent's ``server_address`` at ``.url``
     and inspect ``series()`` / ``samples()``. Accepted pushes are answered exactly
     like the Pyroscope server does (``200``, empty ``application/proto`` body);
-    undecodable ones get a Connect ``invalid_argument`` error (``400``) and are
-    recorded in ``errors``. Nothing is logged per request.
+    undecodable ones get a Connect ``invalid_argument`` error (``400``), oversized ones
+    ``resource_exhausted`` (``413``), and requests a web page sent (an ``Origin``, or a
+    ``Host`` that is not the receiver's own name) ``403``. Each rejection is recorded in
+    ``errors`` (the last 1,000) and its kind logged once per process.
+
+    ``max_body_bytes`` bounds the body on the wire, ``max_inflated_bytes`` what a
+    gzip-compressed push may inflate to (checked while inflating).
 
     ``on_push`` is called from the request thread after each accepted push is
     stored; exceptions it raises are recorded in ``errors``, never sent back.
@@ -265,14 +354,19 @@ class PushReceiver:
         host: str = "127.0.0.1",
         on_push: Callable[[ReceivedPush], None] | None = None,
         max_body_bytes: int = _DEFAULT_MAX_BODY,
+        max_inflated_bytes: int = DEFAULT_MAX_INFLATED,
     ) -> None:
         self._host = host
         self._port = port
         self._on_push = on_push
         self.max_body_bytes = max_body_bytes
+        self.max_inflated_bytes = max_inflated_bytes
+        #: The ``Host`` names accepted: loopback's and the address it listens on.
+        self.host_names = _LOOPBACK_NAMES | {_host_name(host)}
+        self._decode_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())
         self._pushes: list[ReceivedPush] = []
-        self._errors: list[str] = []
+        self._errors: deque[str] = deque(maxlen=_MAX_ERRORS)
         # Bumped on every state change so wait_for() never misses a notification.
         self._generation = 0
         self._server: _Server | None = None
@@ -410,7 +504,13 @@ class PushReceiver:
             try:
                 self._on_push(push)
             except Exception as exc:
-                self._record_error(f"on_push callback failed: {exc!r}")
+                self._reject("on_push", f"on_push callback failed: {exc!r}")
+
+    def _reject(self, kind: str, message: str) -> None:
+        # Recorded every time (tests and the page read them), logged once per kind: an attack
+        # repeats itself thousands of times and must not flood the developer's terminal.
+        self._record_error(message)
+        log_once(f"receiver:{kind}", f"spanprof receiver: {message}", exc_info=False)
 
     def _record_error(self, message: str) -> None:
         with self._cond:

@@ -3,6 +3,11 @@
 Every upload of the profiler is split by the ``span_id`` label of its samples. A span's flame
 graph and pprof are built only from the samples labelled with that span id; samples without a
 span id (startup, background work, the server's own loop) are counted but not kept.
+
+Anything on the machine can push here, so what is kept is bounded by bytes, not only by counts:
+stacks deeper than ``max_depth`` keep their leaf and root ends around a marker frame, names are
+cut at ``_MAX_NAME`` characters, frames are shared between stacks, and the oldest span ids go
+first once the estimate passes ``max_bytes``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,16 @@ __all__ = ["SampleStore", "SpanProfile"]
 
 _CPU_TYPE = ("cpu", "nanoseconds")
 _DEFAULT_PERIOD_NS = 10_000_000
+# Longer than any real function, file or span name; an upload's strings can be megabytes.
+_MAX_NAME = 1024
+# A span id is 16 hex digits; anything much longer is not one of ours.
+_MAX_ID = 64
+_MAX_SERVICES = 64
+_TRUNCATED = (Frame("[truncated]", "", 0),)
+# CPython sizes, rounded up: what one more kept thing costs (tuple or dict slot, objects).
+_STACK_OVERHEAD = 160
+_FRAME_OVERHEAD = 300
+_SPAN_OVERHEAD = 1000
 
 
 @dataclass
@@ -50,10 +65,35 @@ def _node(name: str, filename: str) -> dict[str, Any]:
     return {"name": name, "file": filename, "value": 0, "children": {}}
 
 
-def _finish(node: dict[str, Any]) -> dict[str, Any]:
-    children = sorted(node["children"].values(), key=lambda c: (-c["value"], c["name"]))
-    node["children"] = [_finish(child) for child in children]
-    return node
+def _finish(root: dict[str, Any]) -> dict[str, Any]:
+    # Iterative: a stack is as deep as the interpreter lets a program recurse, far deeper than
+    # this function could recurse over it.
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        children = sorted(node["children"].values(), key=lambda c: (-c["value"], c["name"]))
+        node["children"] = children
+        todo.extend(children)
+    return root
+
+
+def _frame_cost(frame: Frame) -> int:
+    return _FRAME_OVERHEAD + len(frame.function) + len(frame.filename)
+
+
+def _stack_cost(stack: tuple[Frame, ...]) -> int:
+    return _STACK_OVERHEAD + 8 * len(stack)
+
+
+def _cut(stack: tuple[Frame, ...], max_depth: int) -> tuple[Frame, ...]:
+    """``stack`` (leaf first) with its middle replaced by a marker when deeper than allowed."""
+    if len(stack) <= max_depth:
+        return stack
+    keep = max_depth - 1
+    leaf, root = keep - keep // 2, keep // 2
+    elided = len(stack) - leaf - root
+    marker = Frame(f"[{elided} frames elided]", "", 0)
+    return (*stack[:leaf], marker, *stack[len(stack) - root :])
 
 
 class SampleStore:
@@ -63,15 +103,41 @@ class SampleStore:
         max_spans: span ids kept (least recently updated dropped first).
         max_stacks_per_span: distinct stacks kept per span id (later ones folded into a
             ``[truncated]`` frame).
+        max_depth: frames kept per stack; a deeper stack keeps its leaf and root ends and an
+            ``[N frames elided]`` frame between them. The default is above what CPython's
+            default recursion limit lets a program reach.
+        max_bytes: estimated memory of everything kept; past it the least recently updated
+            span ids are dropped (counted as ``evicted_spans`` in ``status()``).
     """
 
-    def __init__(self, *, max_spans: int = 5000, max_stacks_per_span: int = 2000) -> None:
+    def __init__(
+        self,
+        *,
+        max_spans: int = 5000,
+        max_stacks_per_span: int = 2000,
+        max_depth: int = 2048,
+        max_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        if max_depth < 3:
+            raise ValueError(
+                f"max_depth: expected at least 3 (leaf, marker, root), got {max_depth}"
+            )
         self._lock = threading.Lock()
         self._spans: OrderedDict[str, SpanProfile] = OrderedDict()
         self._max_spans = max_spans
         self._max_stacks = max_stacks_per_span
+        self._max_depth = max_depth
+        self._max_bytes = max_bytes
         self._period_ns = _DEFAULT_PERIOD_NS
         self._totals = _Totals()
+        # Every kept stack refers to these frames, so the frames of a thousand uploads of the
+        # same code are stored once. Dropped spans leave theirs here until _compact_frames.
+        self._frames: dict[Frame, Frame] = {}
+        self._frame_bytes = 0
+        # Estimated bytes per span id (stacks and names), and their sum.
+        self._span_bytes: dict[str, int] = {}
+        self._stack_bytes = 0
+        self._evicted = 0
 
     def ingest(self, push: ReceivedPush) -> None:
         """Split one accepted push by span id (the receiver's ``on_push`` callback)."""
@@ -80,9 +146,10 @@ class SampleStore:
             for series in push.series:
                 if series.label("__name__") not in (None, "process_cpu"):
                     continue  # memory profiles carry no labels
-                service = series.label("service_name") or ""
-                if service:
-                    self._totals.services.add(service)
+                service = (series.label("service_name") or "")[:_MAX_NAME]
+                services = self._totals.services
+                if service and (service in services or len(services) < _MAX_SERVICES):
+                    services.add(service)
                 for profile in series.profiles:
                     if profile.sample_types[:1] != (_CPU_TYPE,):
                         continue
@@ -90,6 +157,7 @@ class SampleStore:
                         self._period_ns = profile.period
                     for sample in profile.samples:
                         self._add(sample.stack, sample.value, sample.labels, service, push)
+            self._enforce_bytes()
 
     def _add(
         self,
@@ -101,33 +169,100 @@ class SampleStore:
     ) -> None:
         totals = self._totals
         totals.samples_ns += value
-        span_ids = [v for k, v in labels if k == "span_id"]
+        span_ids = [v for k, v in labels if k == "span_id" and len(v) <= _MAX_ID]
         if not span_ids:
             return
         totals.labelled_ns += value
         if len(set(span_ids)) > 1:
             totals.double_labelled_ns += value
         label_map = dict(labels)
+        kept: tuple[Frame, ...] | None = None
         for span_id in dict.fromkeys(span_ids):
             profile = self._spans.get(span_id)
             if profile is None:
                 profile = self._spans[span_id] = SpanProfile(
                     span_id,
-                    trace_id=label_map.get("trace_id", ""),
-                    span_name=label_map.get("span_name", ""),
+                    trace_id=label_map.get("trace_id", "")[:_MAX_ID],
+                    span_name=label_map.get("span_name", "")[:_MAX_NAME],
                     service=service,
                     first_seen=push.received_at,
                 )
+                self._charge(span_id, _SPAN_OVERHEAD + len(span_id) + len(profile.span_name))
                 while len(self._spans) > self._max_spans:
-                    self._spans.popitem(last=False)
+                    self._evict_oldest()
             else:
                 self._spans.move_to_end(span_id)
             profile.last_seen = push.received_at
             profile.total_ns += value
-            key = stack
-            if key not in profile.stacks and len(profile.stacks) >= self._max_stacks:
-                key = (Frame("[truncated]", "", 0),)
-            profile.stacks[key] = profile.stacks.get(key, 0) + value
+            if kept is None:
+                kept = self._keep(stack)
+            # Each lookup hashes the whole stack again (tuples do not cache their hash).
+            stacks = profile.stacks
+            previous = stacks.get(kept)
+            if previous is not None:
+                stacks[kept] = previous + value
+            elif len(stacks) < self._max_stacks:
+                stacks[kept] = value
+                self._charge(span_id, _stack_cost(kept))
+            else:
+                if _TRUNCATED not in stacks:
+                    self._charge(span_id, _stack_cost(_TRUNCATED))
+                stacks[_TRUNCATED] = stacks.get(_TRUNCATED, 0) + value
+
+    def _keep(self, stack: tuple[Frame, ...]) -> tuple[Frame, ...]:
+        """``stack`` cut to ``max_depth``, its names to ``_MAX_NAME``, its frames shared."""
+        frames = self._frames
+        out = []
+        for frame in _cut(stack, self._max_depth):
+            shared = frames.get(frame)
+            if shared is None:
+                if len(frame.function) > _MAX_NAME or len(frame.filename) > _MAX_NAME:
+                    frame = Frame(
+                        frame.function[:_MAX_NAME], frame.filename[:_MAX_NAME], frame.line
+                    )
+                shared = frames.setdefault(frame, frame)
+                if shared is frame:
+                    self._frame_bytes += _frame_cost(frame)
+            out.append(shared)
+        return tuple(out)
+
+    def _charge(self, span_id: str, cost: int) -> None:
+        self._span_bytes[span_id] = self._span_bytes.get(span_id, 0) + cost
+        self._stack_bytes += cost
+
+    def _evict_oldest(self) -> None:
+        span_id, _profile = self._spans.popitem(last=False)
+        self._stack_bytes -= self._span_bytes.pop(span_id, 0)
+        self._evicted += 1
+
+    def _enforce_bytes(self) -> None:
+        """Past ``max_bytes``, drop the least recently updated spans down to three quarters.
+
+        The slack makes the frame compaction (a walk over everything kept) happen once per
+        quarter of the budget of new data, not on every upload of a full store.
+        """
+        if self._stack_bytes + self._frame_bytes <= self._max_bytes:
+            return
+        target = self._max_bytes * 3 // 4
+        while True:
+            # Frames of dropped spans stay counted until compacted: compact, then re-check.
+            self._compact_frames()
+            if not self._spans or self._stack_bytes + self._frame_bytes <= target:
+                return
+            while self._spans and self._stack_bytes + self._frame_bytes > target:
+                self._evict_oldest()
+
+    def _compact_frames(self) -> None:
+        """Forget the shared frames no kept stack refers to any more."""
+        # Kept frames are already shared, so identity finds them without hashing each one
+        # (a Frame's hash is computed in Python, field by field).
+        by_id: dict[int, Frame] = {}
+        for profile in self._spans.values():
+            for stack in profile.stacks:
+                for frame in stack:
+                    by_id[id(frame)] = frame
+        self._frames = {frame: frame for frame in by_id.values()}
+        self._frame_bytes = sum(_frame_cost(f) for f in self._frames)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -164,6 +299,8 @@ class SampleStore:
                 "labelled_ns": totals.labelled_ns,
                 "double_labelled_ns": totals.double_labelled_ns,
                 "spans_with_samples": len(self._spans),
+                "evicted_spans": self._evicted,
+                "kept_bytes": self._stack_bytes + self._frame_bytes,
                 "services": sorted(totals.services),
                 "period_ns": self._period_ns,
             }

@@ -2,7 +2,8 @@
 
 ``SpanStore`` is an OpenTelemetry SDK ``SpanProcessor``: add it to the app's tracer provider and
 every finished span lands here. Everything is bounded (oldest dropped first), so a local session
-can run for hours.
+can run for hours: by count, and by an estimate of the bytes kept, because a request's client
+picks its trace id (``traceparent``) and its URL, and the app its attributes.
 """
 
 from __future__ import annotations
@@ -36,6 +37,35 @@ _SHOWN_ATTRIBUTES = (
     "spanprof.slo.breached",
     "spanprof.slo.threshold_s",
 )
+
+
+# Longer than any name or URL worth showing; the rest of a megabyte attribute is not kept.
+_MAX_TEXT = 1024
+# CPython sizes, rounded up: the record, its ids and attribute tuples, its slot in a container.
+_RECORD_OVERHEAD = 1200
+_TRACE_OVERHEAD = 300
+
+
+def _text(value: str) -> str:
+    return value if len(value) <= _MAX_TEXT else value[:_MAX_TEXT] + "…"
+
+
+def _shown(value: Any) -> Any:
+    if isinstance(value, str):
+        return _text(value)
+    if isinstance(value, tuple | list):
+        # A sequence attribute: its first items, each cut.
+        return tuple(_text(v) if isinstance(v, str) else v for v in value[:16])
+    return value
+
+
+def _cost(record: SpanRecord) -> int:
+    """Estimated bytes one kept record holds."""
+    size = _RECORD_OVERHEAD + len(record.name) + len(record.service) + len(record.route or "")
+    for _key, value in record.attributes:
+        items = value if isinstance(value, tuple) else (value,)
+        size += 64 + sum(64 + len(v) if isinstance(v, str) else 32 for v in items)
+    return size
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +138,9 @@ class SpanStore(SpanProcessor):
         max_spans_per_trace: spans kept per trace (later ones dropped).
         max_requests: server spans kept for the latency plot.
         max_breaches: breaching server spans kept for the breach list.
+        max_bytes: estimated bytes the traces may hold, and the server spans of the latency
+            plot as much again; past it the oldest are dropped first (counted as
+            ``evicted_traces`` and ``evicted_requests`` in ``counters()``).
     """
 
     def __init__(
@@ -118,14 +151,24 @@ class SpanStore(SpanProcessor):
         max_spans_per_trace: int = 512,
         max_requests: int = 20_000,
         max_breaches: int = 500,
+        max_bytes: int = 32 * 1024 * 1024,
     ) -> None:
         self.policy = policy if policy is not None else SloPolicy()
         self._lock = threading.Lock()
         self._traces: OrderedDict[str, list[SpanRecord]] = OrderedDict()
         self._max_traces = max_traces
         self._max_spans_per_trace = max_spans_per_trace
-        self._requests: deque[SpanRecord] = deque(maxlen=max_requests)
+        self._max_requests = max_requests
+        self._max_bytes = max_bytes
+        # Breaches are few (max_breaches) and each record is cut to _MAX_TEXT per string:
+        # bounded by count alone. Traces and requests are bounded by bytes as well.
+        self._requests: deque[SpanRecord] = deque()
         self._breaches: deque[SpanRecord] = deque(maxlen=max_breaches)
+        self._trace_bytes: dict[str, int] = {}
+        self._traces_total = 0
+        self._requests_total = 0
+        self._evicted_traces = 0
+        self._evicted_requests = 0
         self._spans_seen = 0
 
     # -- SpanProcessor -------------------------------------------------------------------------
@@ -138,17 +181,36 @@ class SpanStore(SpanProcessor):
         record = self._record(span)
         if record is None:
             return
+        cost = _cost(record)
         with self._lock:
             self._spans_seen += 1
             spans = self._traces.get(record.trace_id)
             if spans is None:
                 spans = self._traces[record.trace_id] = []
-                while len(self._traces) > self._max_traces:
-                    self._traces.popitem(last=False)
+                self._trace_bytes[record.trace_id] = _TRACE_OVERHEAD
+                self._traces_total += _TRACE_OVERHEAD
+            else:
+                # A trace still growing is recent: evict by last update, not by first span.
+                self._traces.move_to_end(record.trace_id)
             if len(spans) < self._max_spans_per_trace:
                 spans.append(record)
+                self._trace_bytes[record.trace_id] += cost
+                self._traces_total += cost
+            while len(self._traces) > 1 and (
+                len(self._traces) > self._max_traces or self._traces_total > self._max_bytes
+            ):
+                dropped, _spans = self._traces.popitem(last=False)
+                self._traces_total -= self._trace_bytes.pop(dropped)
+                self._evicted_traces += 1
             if record.is_server:
                 self._requests.append(record)
+                self._requests_total += cost
+                while len(self._requests) > 1 and (
+                    len(self._requests) > self._max_requests
+                    or self._requests_total > self._max_bytes
+                ):
+                    self._requests_total -= _cost(self._requests.popleft())
+                    self._evicted_requests += 1
                 if record.breached:
                     self._breaches.append(record)
 
@@ -178,20 +240,32 @@ class SpanStore(SpanProcessor):
             trace_id=_hex(ctx.trace_id, 32),
             span_id=_hex(ctx.span_id, 16),
             parent_id=_hex(span.parent.span_id, 16) if span.parent is not None else None,
-            name=span.name,
+            name=_text(span.name),
             kind=kind,
-            service=str(service),
+            service=_text(str(service)),
             start_ns=span.start_time,
             end_ns=span.end_time,
             status=span.status.status_code.name,
-            attributes=tuple((k, attributes[k]) for k in _SHOWN_ATTRIBUTES if k in attributes),
-            route=route,
+            attributes=tuple(
+                (k, _shown(attributes[k])) for k in _SHOWN_ATTRIBUTES if k in attributes
+            ),
+            route=_text(route) if route is not None else None,
             breached=breached,
             threshold_s=threshold,
             verdict_source=source,
         )
 
     # -- queries ---------------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        """What is kept and what was dropped to keep it bounded, for the page."""
+        with self._lock:
+            return {
+                "traces": len(self._traces),
+                "kept_bytes": self._traces_total + self._requests_total,
+                "evicted_traces": self._evicted_traces,
+                "evicted_requests": self._evicted_requests,
+            }
 
     @property
     def spans_seen(self) -> int:

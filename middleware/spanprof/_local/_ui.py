@@ -1,5 +1,9 @@
 """The local web page and its JSON APIs, served by the standard library on loopback.
 
+Any web page the developer visits can make their browser send requests to loopback, so the page
+answers only requests addressed to a name it serves (no DNS-rebinding names) and, when they
+carry an ``Origin``, only from its own origin.
+
 Routes (all ``GET``):
 
 - ``/``: the page; ``/static/...``: its scripts, styles and vendored libraries;
@@ -26,6 +30,7 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from .._logging import log_once
 from ._samples import SampleStore
 from ._slo import describe
 from ._spans import SpanRecord, SpanStore
@@ -47,6 +52,7 @@ _CSP = (
     "img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'"
 )
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+_WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
 
 def _load_static() -> dict[str, tuple[bytes, str]]:
@@ -79,8 +85,27 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _host_name(host: str) -> str:
+    """The name part of a ``Host`` header value (``[::1]:80`` -> ``::1``), lowercased."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default backlog of 5 drops SYNs when connections arrive in a burst, and
+    # each dropped one costs its client a second or more of retransmission.
+    request_queue_size = 1024
     ui: UiServer
 
     def __init__(self, address: tuple[str, int], ui: UiServer) -> None:
@@ -92,6 +117,9 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    # http.server answers unparsable requests with an HTML page quoting the request line.
+    error_content_type = "text/plain; charset=utf-8"
+    error_message_format = "%(code)d %(message)s\n"
     protocol_version = "HTTP/1.1"
     server_version = "spanprof-local"
     sys_version = ""
@@ -102,9 +130,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         ui = self.server.ui
-        if ui.loopback_only and not self._host_is_loopback():
-            # A page on loopback must not answer a rebinding DNS name pointing at 127.0.0.1.
-            self._send(403, b"forbidden host\n", "text/plain; charset=utf-8")
+        if not self._allowed():
             return
         parts = urlsplit(self.path)
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
@@ -123,13 +149,36 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._send(status, body, content_type, extra_headers=extra)
 
-    def _host_is_loopback(self) -> bool:
+    def _refuse_method(self) -> None:
+        # Everything here is GET; other methods (a page's form POST, a preflight) get 405.
+        if self._allowed():
+            self.close_connection = True
+            self._send(
+                405,
+                b"method not allowed\n",
+                "text/plain; charset=utf-8",
+                extra_headers={"Allow": "GET"},
+            )
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method
+
+    def _allowed(self) -> bool:
+        """Answer 403 unless the request is addressed to this page, from it; ``True`` if so."""
+        ui = self.server.ui
         host = self.headers.get("Host", "")
-        if host.startswith("["):
-            name = host[1:].partition("]")[0]
+        origin = self.headers.get("Origin")
+        if not ui.serves(_host_name(host)):
+            # A page must not answer a rebinding DNS name pointing at its address.
+            kind, reason = "host", f"refused a request for Host {host[:100]!r}"
+        elif origin is not None and origin.lower() != f"http://{host.strip().lower()}":
+            # Another origin's script (fetch, form) made the browser send this.
+            kind, reason = "origin", f"refused a request from Origin {origin[:100]!r}"
         else:
-            name = host.rpartition(":")[0] if ":" in host else host
-        return name.lower() in _LOOPBACK_NAMES
+            return True
+        log_once(f"ui:{kind}", f"spanprof local page: {reason}", exc_info=False)
+        self.close_connection = True
+        self._send(403, b"forbidden\n", "text/plain; charset=utf-8")
+        return False
 
     def _json(self, status: int, payload: Any) -> None:
         self._send(status, json.dumps(payload).encode(), "application/json")
@@ -162,6 +211,33 @@ def _ok(payload: Any, status: int = 200) -> _ApiResult:
     return status, json.dumps(payload).encode(), "application/json", {}
 
 
+def _tree_json(root: dict[str, Any]) -> str:
+    """A flame-graph tree as JSON, written without recursion.
+
+    ``json.dumps`` recurses per nesting level (two per frame), so it fails on stacks
+    that a program can legitimately reach (a 700-frame recursion).
+    """
+    out: list[str] = []
+    # Nodes still to write, and the literal text between them, in reverse order.
+    todo: list[dict[str, Any] | str] = [root]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        out.append(
+            f'{{"name": {json.dumps(item["name"])}, "file": {json.dumps(item["file"])}, '
+            f'"value": {int(item["value"])}, "children": ['
+        )
+        todo.append("]}")
+        children = item["children"]
+        for index in range(len(children) - 1, -1, -1):
+            todo.append(children[index])
+            if index:
+                todo.append(", ")
+    return "".join(out)
+
+
 class UiServer:
     """Serves the local page and its APIs from ``spans`` and ``samples`` in a thread.
 
@@ -187,6 +263,14 @@ class UiServer:
         self.host = host
         self._port = port
         self.loopback_only = _is_loopback(host)
+        self.wildcard = host in _WILDCARDS
+        # The names a request may address the page by: loopback's, the bind address, and on a
+        # wildcard bind this machine's names. An IP literal cannot be rebound to another
+        # address, so on a wildcard bind any address this machine answers on is fine.
+        names = {*_LOOPBACK_NAMES, _host_name(host)}
+        if self.wildcard:
+            names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+        self.host_names = frozenset(names)
         self.static = _load_static()
         self.api: dict[str, Callable[[dict[str, str]], _ApiResult]] = {
             "/api/status": self._status,
@@ -232,9 +316,13 @@ class UiServer:
             raise RuntimeError("UiServer is not started")
         return int(self._server.server_address[1])
 
+    def serves(self, name: str) -> bool:
+        """Whether ``name`` (a ``Host`` header's name part) addresses this page."""
+        return name in self.host_names or (self.wildcard and _is_ip(name))
+
     @property
     def url(self) -> str:
-        """The page's URL."""
+        """The page's URL (on a wildcard bind, its loopback one)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         if host in ("0.0.0.0", "[::]"):
             host = "127.0.0.1"
@@ -253,6 +341,7 @@ class UiServer:
             "spans": self.spans.spans_seen,
             "requests": self.spans.request_count(),
             "breaches": self.spans.breach_count(),
+            "kept": self.spans.counters(),
             "slo": describe(self.spans.policy),
             "profiles": self.samples.status(),
         }
@@ -294,7 +383,7 @@ class UiServer:
         root = self.samples.flamegraph(span_id)
         profile = self.samples.span(span_id)
         record = self.spans.span(span_id)
-        return _ok(
+        head = json.dumps(
             {
                 "span_id": span_id,
                 "now": time.time(),
@@ -302,9 +391,11 @@ class UiServer:
                 "stacks": len(profile.stacks) if profile is not None else 0,
                 "period_ns": self.samples.status()["period_ns"],
                 "span": record.to_json() if record is not None else None,
-                "root": root,
             }
         )
+        # The tree is as deep as the deepest stack: it goes in through _tree_json.
+        body = f'{head[:-1]}, "root": {_tree_json(root)}}}'
+        return 200, body.encode(), "application/json", {}
 
     def _trace(self, query: dict[str, str]) -> _ApiResult:
         trace_id = query.get("trace_id", "")

@@ -70,6 +70,14 @@
       (p.labelled_ns / 1e9).toFixed(1) + " s CPU labelled with a span",
       describeSlo(status.slo),
     ];
+    // Everything is kept in memory within a budget; say when the oldest had to go.
+    const kept = status.kept || {};
+    const dropped = [
+      [kept.evicted_traces, "traces"],
+      [kept.evicted_requests, "requests"],
+      [p.evicted_spans, "spans' samples"],
+    ].filter(([count]) => count > 0).map(([count, what]) => count + " " + what);
+    if (dropped.length) parts.push("dropped the oldest " + dropped.join(", ") + " to stay within memory");
     const node = $("status");
     node.textContent = parts.join(" · ");
     const errors = status.receiver_errors || [];

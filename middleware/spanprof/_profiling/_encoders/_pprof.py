@@ -31,12 +31,14 @@ from ._protowire import (
 )
 
 __all__ = [
+    "InflatedTooLargeError",
     "Profile",
     "ProfileBuilder",
     "ProfileDecodeError",
     "Sample",
     "decode_profile",
     "encode_profile",
+    "gunzip_bounded",
     "maybe_gunzip",
 ]
 
@@ -89,6 +91,10 @@ class ProfileDecodeError(ProtoDecodeError):
     """Raised when bytes are not a decodable pprof profile."""
 
 
+class InflatedTooLargeError(ProfileDecodeError):
+    """Raised when gzip-compressed input inflates past the caller's limit."""
+
+
 @dataclass(frozen=True, slots=True)
 class Sample:
     """One pprof sample.
@@ -138,28 +144,62 @@ class Profile:
         return sum(s.values[value_index] for s in self.samples)
 
 
-def maybe_gunzip(data: bytes) -> bytes:
+def gunzip_bounded(data: bytes, limit: int) -> bytes:
+    """Gunzip ``data`` (one or more members), refusing to produce more than ``limit`` bytes.
+
+    Inflates incrementally and stops at the cap, so a small body that expands a thousandfold
+    (a gzip bomb) costs ``limit`` bytes of memory, not its inflated size. Raises
+    ``InflatedTooLargeError`` past the cap, ``ProfileDecodeError`` for broken gzip.
+    """
+    out = bytearray()
+    pending = data
+    try:
+        while True:
+            inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+            while not inflater.eof:
+                # One byte over the cap is enough to know the cap is exceeded.
+                chunk = inflater.decompress(pending, limit - len(out) + 1)
+                out += chunk
+                if len(out) > limit:
+                    raise InflatedTooLargeError(f"gzip body inflates past {limit} bytes")
+                pending = inflater.unconsumed_tail
+                # No output and no input left is a truncated stream, unless the member just
+                # ended (an empty member ends without producing a byte).
+                if not chunk and not pending and not inflater.eof:
+                    raise ProfileDecodeError("invalid gzip data: truncated stream")
+            # gzip allows concatenated members and zero padding after the last one.
+            pending = inflater.unused_data.lstrip(b"\0")
+            if not pending:
+                return bytes(out)
+    except zlib.error as exc:
+        raise ProfileDecodeError(f"invalid gzip data: {exc}") from exc
+
+
+def maybe_gunzip(data: bytes, limit: int | None = None) -> bytes:
     """Return ``data`` gunzipped if it starts with the gzip magic, else unchanged.
 
     Sniffing is unambiguous for protobuf: 0x1f would be field 3 with wire type 7,
-    which does not exist.
+    which does not exist. With ``limit``, inflating stops there (see ``gunzip_bounded``).
     """
     if data[:2] != _GZIP_MAGIC:
         return data
+    if limit is not None:
+        return gunzip_bounded(data, limit)
     try:
         return gzip.decompress(data)
     except (OSError, EOFError, zlib.error) as exc:
         raise ProfileDecodeError(f"invalid gzip data: {exc}") from exc
 
 
-def decode_profile(data: bytes) -> Profile:
+def decode_profile(data: bytes, *, max_inflated: int | None = None) -> Profile:
     """Decode a pprof profile, gzip-compressed or raw, into a ``Profile``.
 
     Raises ``ProfileDecodeError`` on malformed input (bad wire format, dangling
-    string/function/location references).
+    string/function/location references), and its subclass ``InflatedTooLargeError``
+    when a gzip-compressed profile inflates past ``max_inflated`` bytes.
     """
     try:
-        return _decode_profile(maybe_gunzip(data))
+        return _decode_profile(maybe_gunzip(data, max_inflated))
     except ProfileDecodeError:
         raise
     except ProtoDecodeError as exc:

@@ -21,13 +21,17 @@ the status code.
 
 from __future__ import annotations
 
-import gzip
 import uuid
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ._pprof import Profile, ProfileDecodeError, decode_profile
+from ._pprof import (
+    InflatedTooLargeError,
+    Profile,
+    ProfileDecodeError,
+    decode_profile,
+    gunzip_bounded,
+)
 from ._protowire import (
     ProtoDecodeError,
     as_bytes,
@@ -38,10 +42,12 @@ from ._protowire import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_INFLATED",
     "PUSH_CONTENT_TYPE",
     "PUSH_PATH",
     "PushDecodeError",
     "PushSeries",
+    "PushTooLargeError",
     "decode_push_request",
     "decode_push_request_raw",
     "encode_push_request",
@@ -53,6 +59,8 @@ PUSH_PATH = "/push.v1.PusherService/Push"
 PUSH_CONTENT_TYPE = "application/proto"
 
 _GZIP_MAGIC = b"\x1f\x8b"
+#: What a push may inflate to, envelope and embedded profiles together, unless told otherwise.
+DEFAULT_MAX_INFLATED = 256 * 1024 * 1024
 
 _REQ_SERIES = 1
 _SERIES_LABELS = 1
@@ -65,6 +73,10 @@ _RAW_ID = 2
 
 class PushDecodeError(ProtoDecodeError):
     """Raised when a push request body cannot be decoded."""
+
+
+class PushTooLargeError(PushDecodeError):
+    """Raised when a push request inflates past its ``max_inflated`` limit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +95,7 @@ class PushSeries:
         return None
 
 
-def _decompress(body: bytes, content_encoding: str | None) -> bytes:
+def _decompress(body: bytes, content_encoding: str | None, limit: int) -> bytes:
     encoding = (content_encoding or "").strip().lower()
     if encoding in ("", "identity"):
         # Tolerate a gzip body sent without the header; sniffing is unambiguous
@@ -94,16 +106,24 @@ def _decompress(body: bytes, content_encoding: str | None) -> bytes:
     if encoding != "gzip":
         raise PushDecodeError(f"unsupported Content-Encoding {content_encoding!r}")
     try:
-        return gzip.decompress(body)
-    except (OSError, EOFError, zlib.error) as exc:
+        return gunzip_bounded(body, limit)
+    except InflatedTooLargeError as exc:
+        raise PushTooLargeError(str(exc)) from exc
+    except ProfileDecodeError as exc:
         raise PushDecodeError(f"invalid gzip body: {exc}") from exc
 
 
 def decode_push_request_raw(
-    body: bytes, content_encoding: str | None = None
+    body: bytes,
+    content_encoding: str | None = None,
+    *,
+    max_inflated: int = DEFAULT_MAX_INFLATED,
 ) -> list[tuple[tuple[tuple[str, str], ...], tuple[tuple[bytes, str], ...]]]:
-    """Decode a push body into ``(labels, ((raw_profile, id), ...))`` without parsing pprof."""
-    data = _decompress(body, content_encoding)
+    """Decode a push body into ``(labels, ((raw_profile, id), ...))`` without parsing pprof.
+
+    A gzip body may inflate to ``max_inflated`` bytes; past that, ``PushTooLargeError``.
+    """
+    data = _decompress(body, content_encoding, max_inflated)
     out: list[tuple[tuple[tuple[str, str], ...], tuple[tuple[bytes, str], ...]]] = []
     try:
         for field, _w, value in iter_fields(data):
@@ -137,18 +157,36 @@ def decode_push_request_raw(
     return out
 
 
-def decode_push_request(body: bytes, content_encoding: str | None = None) -> list[PushSeries]:
+def decode_push_request(
+    body: bytes,
+    content_encoding: str | None = None,
+    *,
+    max_inflated: int = DEFAULT_MAX_INFLATED,
+) -> list[PushSeries]:
     """Decode a ``PushRequest`` body (per its Content-Encoding) including every pprof in it.
 
-    Raises ``PushDecodeError`` if the envelope or any embedded profile is malformed.
+    The body and every gzip-compressed profile in it inflate to ``max_inflated`` bytes in
+    all; past that, ``PushTooLargeError``. Raises ``PushDecodeError`` if the envelope or any
+    embedded profile is malformed.
     """
+    raw_series = decode_push_request_raw(body, content_encoding, max_inflated=max_inflated)
+    # Embedded profiles may be gzipped again: they share what is left of the budget, so
+    # nesting bombs inside the envelope buys nothing.
+    budget = max_inflated - sum(len(raw) for _labels, raws in raw_series for raw, _sid in raws)
     series: list[PushSeries] = []
-    for labels, raws in decode_push_request_raw(body, content_encoding):
-        try:
-            profiles = tuple(decode_profile(raw) for raw, _sid in raws)
-        except ProfileDecodeError as exc:
-            raise PushDecodeError(f"invalid pprof in series {dict(labels)!r}: {exc}") from exc
-        series.append(PushSeries(labels, profiles, tuple(sid for _raw, sid in raws)))
+    for labels, raws in raw_series:
+        profiles: list[Profile] = []
+        for raw, _sid in raws:
+            try:
+                if raw[:2] == _GZIP_MAGIC:
+                    raw = gunzip_bounded(raw, max(budget, 0))
+                    budget -= len(raw)
+                profiles.append(decode_profile(raw, max_inflated=max(budget, 0)))
+            except InflatedTooLargeError as exc:
+                raise PushTooLargeError(f"series {dict(labels)!r}: {exc}") from exc
+            except ProfileDecodeError as exc:
+                raise PushDecodeError(f"invalid pprof in series {dict(labels)!r}: {exc}") from exc
+        series.append(PushSeries(labels, tuple(profiles), tuple(sid for _raw, sid in raws)))
     return series
 
 
