@@ -411,6 +411,15 @@ def collector_problems(stack: Stack) -> list[str]:
         for kind, url in endpoints("metrics")
     ):
         problems.append("collector: no metrics exporter reaches Prometheus's /api/v1/otlp")
+    pyroscope_name, _ = service_by_image(stack.compose, "grafana/pyroscope")
+    if not any(
+        kind in ("otlp_http", "otlphttp") and url_host_port(url) == (pyroscope_name, 4040)
+        for kind, url in endpoints("profiles")
+    ):
+        problems.append("collector: no profiles exporter reaches Pyroscope's OTLP endpoint")
+    _, collector_service = service_by_image(stack.compose, "otel/opentelemetry-collector-contrib")
+    if "--feature-gates=service.profilesSupport" not in (collector_service.get("command") or []):
+        problems.append("collector: the profiles pipeline needs the service.profilesSupport gate")
     return problems
 
 
@@ -837,6 +846,21 @@ def _run_as_root(stack: Stack) -> None:
             "collector",
             "Tempo",
             id="traces-not-to-tempo",
+        ),
+        pytest.param(
+            _set(f"{_PIPELINES}.profiles.exporters", ["otlp_http/tempo"]),
+            "collector",
+            "Pyroscope's OTLP",
+            id="profiles-not-to-pyroscope",
+        ),
+        pytest.param(
+            _set(
+                "compose.services.otel-collector.command",
+                ["--config=/etc/otelcol-contrib/config.yaml"],
+            ),
+            "collector",
+            "profilesSupport",
+            id="profiles-gate-off",
         ),
         pytest.param(
             _set(f"{_PIPELINES}.metrics.exporters", ["otlp_http/missing"]),
