@@ -71,10 +71,11 @@ def main() -> int:
         venv = ROOT / f".venv-{version}"
         py = venv / "bin" / "python"
         stamp = venv / ".installed"
-        # The editable install also builds the C extension: redo it when its source changes.
+        # The editable install also builds the C extensions: redo it when a source changes.
         sources = [
             ROOT / "pyproject.toml",
             ROOT / "middleware" / "spanprof" / "_labels" / "_cproxy.c",
+            ROOT / "middleware" / "spanprof" / "_profiling" / "_samplers" / "_alloc.c",
         ]
         newest = max(source.stat().st_mtime for source in sources)
         if not stamp.exists() or stamp.stat().st_mtime < newest:
