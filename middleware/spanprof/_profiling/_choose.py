@@ -67,6 +67,8 @@ def _shared(backend: ExactBackend) -> ExactBackend:
         tuple(sorted(arguments["tags"].items())),
         backend.clock,
         backend.auto,
+        backend.memory,
+        backend.alloc_sample_bytes,
     )
     with _exact_lock:
         existing = _exact_backends.get(key)

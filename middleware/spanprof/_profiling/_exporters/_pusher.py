@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 from urllib.parse import urlsplit
 
 from ..._logging import log_once
@@ -35,9 +35,20 @@ from .._encoders._window import WindowEncoder
 from .._samplers._signal import in_main_os_thread
 from .._window import Window
 
-__all__ = ["Pusher"]
+__all__ = ["Pusher", "StepEncoder"]
 
 _Outcome = Literal["ok", "retry", "reject"]
+
+
+class StepEncoder(Protocol):
+    """Encodes one window into pprof ``profiles``, a bounded slice of work per ``step()``."""
+
+    profiles: list[bytes]
+
+    @property
+    def done(self) -> bool: ...
+
+    def step(self) -> bool: ...
 
 
 @dataclass
@@ -62,6 +73,8 @@ class Pusher:
             doubling back-off.
         flush_timeout: how long ``stop()`` may spend on the last window and pending retries.
         block_signals: signals this thread blocks, so the sampler's timer never interrupts it.
+        encoder: makes the encoder of a window (default: CPU profiles, ``WindowEncoder``); the
+            memory profiles' pusher passes ``MemoryEncoder``.
     """
 
     def __init__(
@@ -80,6 +93,7 @@ class Pusher:
         backoff_max: float = 30.0,
         flush_timeout: float = 5.0,
         block_signals: Iterable[int] = (),
+        encoder: Callable[[Window], StepEncoder] | None = None,
     ) -> None:
         parts = urlsplit(server_address)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -98,6 +112,7 @@ class Pusher:
         self.backoff_max = backoff_max
         self.flush_timeout = flush_timeout
         self._block_signals = set(block_signals)
+        self._encoder = encoder
         self._headers = {
             "Content-Type": PUSH_CONTENT_TYPE,
             "Content-Encoding": "gzip",
@@ -212,10 +227,14 @@ class Pusher:
             return
         try:
             window = collect()
-            if not window.values:
+            if not window:
                 self.empty_windows += 1
                 return
-            encoder = WindowEncoder(window, period_ns=self.period_ns)
+            encoder: StepEncoder = (
+                WindowEncoder(window, period_ns=self.period_ns)
+                if self._encoder is None
+                else self._encoder(window)
+            )
             while not encoder.done:
                 self._timed(encoder.step)
             request: list[bytes] = []
