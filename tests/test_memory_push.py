@@ -103,7 +103,9 @@ def _memory_rows(samples: list[ReceivedSample], function: str) -> dict[str, list
     """[alloc objects, alloc bytes, inuse objects, inuse bytes] per span id, ``function`` leaf."""
     out: dict[str, list[int]] = {}
     for sample in samples:
-        if not sample.stack or not sample.stack[0].function.startswith(function):
+        # Before 3.12 a list comprehension runs in a frame of its own: skip it.
+        stack = [f for f in sample.stack if not f.function.endswith("<listcomp>")]
+        if not stack or stack[0].function != function:
             continue
         spans = sample.label_values("span_id")
         row = out.setdefault(",".join(spans), [0, 0, 0, 0])

@@ -63,9 +63,9 @@ def by_function(window: MemoryWindow, function: str) -> dict[LabelSet, list[floa
     leaf-most Python frame is ``function``."""
     out: dict[LabelSet, list[float]] = {}
     for key in window.values.keys() | window.inuse.keys():
-        stack = window.stack(key[0])
-        # Before 3.12 a list comprehension runs in a frame of its own.
-        if not stack or stack[0].function not in (function, f"{function}.<locals>.<listcomp>"):
+        # Before 3.12 a list comprehension runs in a frame of its own: skip it.
+        stack = [f for f in window.stack(key[0]) if not f.function.endswith("<listcomp>")]
+        if not stack or stack[0].function != function:
             continue
         row = out.setdefault(key[1], [0.0, 0.0, 0.0, 0.0])
         row[0] += window.alloc_objects.get(key, 0)
@@ -253,7 +253,12 @@ def test_stack_is_leaf_first_with_lines() -> None:
         keep = keep_blocks(5)
         window = sampler.take_window()
     stacks = [window.stack(key[0]) for key in window.values]
-    mine = [s for s in stacks if s and s[0].function.endswith("keep_blocks")]
+    mine = [
+        [f for f in s if not f.function.endswith("<listcomp>")]
+        for s in stacks
+        if s and s[0].function.endswith(("keep_blocks", "<listcomp>"))
+    ]
+    mine = [s for s in mine if s and s[0].function == "keep_blocks"]
     assert mine, stacks[:5]
     assert mine[0][1].function == "test_stack_is_leaf_first_with_lines"
     assert mine[0][0].filename == __file__
@@ -270,8 +275,8 @@ def test_the_tracked_table_is_bounded_and_counts_what_it_left_out() -> None:
     assert stats["tracked"] <= 50, stats
     assert stats["untracked"] >= 1900, stats
     rows = by_function(window, "keep_blocks")
-    # Every block is sampled (and the list's array a few times).
-    assert total(rows, 0) == pytest.approx(len(kept), rel=0.01)
+    # Every block is sampled (and, on 3.12+, the list's array each time it grows).
+    assert total(rows, 0) == pytest.approx(len(kept), rel=LIST_OVERHEAD)
     assert total(rows, 2) <= 50
 
 

@@ -25,7 +25,7 @@ import sysconfig
 import threading
 import time
 from collections.abc import Iterable
-from types import CodeType, ModuleType
+from types import CodeType
 from typing import Any
 
 from ..._labels._labelset import EMPTY, LABELS, LabelSet
@@ -177,7 +177,11 @@ class MemorySampler:
         with self._lock:
             if self._pid != os.getpid() or _alloc is None:
                 return
-            self._drain_locked()
+            ignoring = _alloc.ignore_thread(True)
+            try:
+                self._drain_locked()
+            finally:
+                _alloc.ignore_thread(ignoring)
             self._last_stats = self._stats_locked()
             if not _alloc.stop():
                 log_once(
@@ -199,9 +203,8 @@ class MemorySampler:
     def _run(self) -> None:
         if self._block_signals and threading.current_thread() is not threading.main_thread():
             signal.pthread_sigmask(signal.SIG_BLOCK, self._block_signals)
-        if _alloc is not None:
-            # What this thread allocates is the sampler's own work, nobody's request.
-            _alloc.ignore_thread(True)
+        # What this thread allocates is the sampler's own work, nobody's request.
+        _ignore_thread(True)
         while not self._stop.wait(self.drain_interval):
             self.drain()
 
@@ -209,12 +212,24 @@ class MemorySampler:
 
     def drain(self) -> None:
         """Move the C buffers' samples and frees into the estimates."""
-        with self._lock:
-            if self._pid == os.getpid():
-                self._drain_locked()
+        ignoring = _ignore_thread(True)
+        try:
+            with self._lock:
+                if self._pid == os.getpid():
+                    self._drain_locked()
+        finally:
+            _ignore_thread(ignoring)
 
     def take_window(self) -> MemoryWindow:
         """The allocations since the last window, and what is in use now."""
+        # What building the window allocates is the sampler's own work, not the application's.
+        ignoring = _ignore_thread(True)
+        try:
+            return self._take_window()
+        finally:
+            _ignore_thread(ignoring)
+
+    def _take_window(self) -> MemoryWindow:
         with self._lock:
             if self._pid == os.getpid():
                 self._drain_locked()
@@ -235,19 +250,12 @@ class MemorySampler:
             return window
 
     def _drain_locked(self) -> None:
+        # Called with the calling thread's allocations ignored (drain, take_window, stop).
         if _alloc is None:
             return
-        # Turning samples into estimates allocates: not the application's memory.
-        ignoring = _alloc.ignore_thread(True)
-        try:
-            self._drain_unsampled(_alloc)
-        finally:
-            _alloc.ignore_thread(ignoring)
-
-    def _drain_unsampled(self, alloc: ModuleType) -> None:
         started = time.perf_counter_ns()
         try:
-            samples, freed = alloc.drain()
+            samples, freed = _alloc.drain()
         except MemoryError:
             self.drain_errors += 1
             return
@@ -353,6 +361,11 @@ def _intern(tables: StackTables, codes: tuple[CodeType, ...], lastis: tuple[int,
             fid = tables.raw_frame(code, lasti, line_of(code, lasti))
         ids.append(fid)
     return tables.stack_of(tuple(ids))
+
+
+def _ignore_thread(ignore: bool) -> bool:
+    """Leave the calling thread's allocations unsampled (or not); the previous setting."""
+    return _alloc.ignore_thread(ignore) if _alloc is not None else False
 
 
 def _first_line(code: CodeType, lasti: int) -> int:
