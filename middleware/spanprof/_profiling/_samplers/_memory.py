@@ -94,7 +94,7 @@ class MemorySampler:
         max_samples: int = 8192,
         max_tracked: int = 65536,
         max_frames: int = 128,
-        drain_interval: float = 0.5,
+        drain_interval: float = 0.25,
         mem_domain: bool = True,
         seed: int = 0,
         block_signals: Iterable[int] = (),
