@@ -24,6 +24,7 @@ from . import (
     bench_exemplar,
     bench_faults,
     bench_instructions,
+    bench_memory,
     bench_request,
 )
 from ._report import Section, machine_info, render
@@ -36,6 +37,7 @@ BENCHMARKS: dict[str, Callable[[bool], Section]] = {
     "exemplar": bench_exemplar.run,
     "faults": bench_faults.run,
     "exact": bench_exact.run,
+    "memory": bench_memory.run,
     "accuracy": bench_accuracy.run,
     "instructions": bench_instructions.run,
 }
