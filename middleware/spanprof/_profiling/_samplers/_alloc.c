@@ -128,6 +128,12 @@ static buffer_t *current;                /* the buffer hooks write; drain() read
 
 static slot_t *table;
 static uint64_t table_mask;
+static int table_bits;
+/* One bit per hash of a tracked address: a free whose bit is clear (almost every free) needs
+ * no probe of the table, which is megabytes and would cost a cache miss per free. Inserts set
+ * bits, removals leave them (a stale bit costs one probe); drain() rebuilds it. */
+#define FILTER_BITS 18
+static uint64_t *filter;
 static uint32_t max_tracked;
 static uint32_t ntracked;
 
@@ -181,8 +187,41 @@ next_gap(void)
 static inline uint64_t
 slot_of(uintptr_t ptr)
 {
-    /* Blocks are 16-byte aligned: drop the zero bits, then Fibonacci hashing. */
-    return (((uint64_t)ptr >> 4) * 0x9E3779B97F4A7C15ULL) & table_mask;
+    /* Blocks are 16-byte aligned: drop the zero bits, then Fibonacci hashing (high bits). */
+    return (((uint64_t)ptr >> 4) * 0x9E3779B97F4A7C15ULL) >> (64 - table_bits);
+}
+
+static inline uint64_t
+filter_bit(uintptr_t ptr)
+{
+    return (((uint64_t)ptr >> 4) * 0xC2B2AE3D27D4EB4FULL) >> (64 - FILTER_BITS);
+}
+
+static inline int
+filter_may_hold(uintptr_t ptr)
+{
+    uint64_t bit = filter_bit(ptr);
+    return (filter[bit >> 6] >> (bit & 63)) & 1;
+}
+
+static inline void
+filter_add(uintptr_t ptr)
+{
+    uint64_t bit = filter_bit(ptr);
+    filter[bit >> 6] |= 1ULL << (bit & 63);
+}
+
+/* Forget removed addresses' bits: only the tracked ones stay set. */
+static void
+filter_rebuild(void)
+{
+    uint64_t i;
+    memset(filter, 0, sizeof(uint64_t) << (FILTER_BITS - 6));
+    for (i = 0; i <= table_mask; i++) {
+        if (table[i].ptr != 0) {
+            filter_add(table[i].ptr);
+        }
+    }
 }
 
 /* 1 if tracked, 0 if the table is full. An address already in the table (a free we never saw)
@@ -210,6 +249,7 @@ table_insert(uintptr_t ptr, uint64_t id, buffer_t *buf)
     }
     table[i].ptr = ptr;
     table[i].id = id;
+    filter_add(ptr);
     ntracked++;
     return 1;
 }
@@ -381,7 +421,7 @@ static inline void
 account(void *ptr, size_t size)
 {
     countdown -= (int64_t)size;
-    if (countdown <= 0) {
+    if (__builtin_expect(countdown <= 0, 0)) {
         sample_block(ptr, size);
     }
 }
@@ -394,7 +434,7 @@ forget(void *ptr)
     uint64_t id;
     buffer_t *buf;
 
-    if (ntracked == 0 || ptr == NULL) {
+    if (ntracked == 0 || ptr == NULL || !filter_may_hold((uintptr_t)ptr)) {
         return;
     }
     tstate = ALLOC_TSTATE();
@@ -419,7 +459,7 @@ hook_malloc(void *ctx, size_t size)
 {
     domain_hook_t *hook = (domain_hook_t *)ctx;
     void *ptr = hook->previous.malloc(hook->previous.ctx, size);
-    if (ptr != NULL && active) {
+    if (__builtin_expect(ptr != NULL && active, 1)) {
         account(ptr, size);
     }
     return ptr;
@@ -490,8 +530,11 @@ free_state(void)
         memset(&buffers[i], 0, sizeof(buffer_t));
     }
     PyMem_RawFree(table);
+    PyMem_RawFree(filter);
     table = NULL;
+    filter = NULL;
     table_mask = 0;
+    table_bits = 0;
     ntracked = 0;
     current = NULL;
     Py_CLEAR(labels_var);
@@ -500,13 +543,16 @@ free_state(void)
 static int
 alloc_state(void)
 {
-    uint64_t size = 1;
+    uint64_t size = 2;
     int i;
+    table_bits = 1;
     while (size < 2 * (uint64_t)max_tracked) {
         size <<= 1;
+        table_bits++;
     }
     table = PyMem_RawCalloc((size_t)size, sizeof(slot_t));
     table_mask = size - 1;
+    filter = PyMem_RawCalloc((size_t)1 << (FILTER_BITS - 6), sizeof(uint64_t));
     for (i = 0; i < 2; i++) {
         buffers[i].records = PyMem_RawCalloc(max_records, sizeof(record_t));
         buffers[i].frames = PyMem_RawCalloc(max_pool_frames, sizeof(raw_frame_t));
@@ -515,7 +561,7 @@ alloc_state(void)
             goto fail;
         }
     }
-    if (table == NULL) {
+    if (table == NULL || filter == NULL) {
         goto fail;
     }
     current = &buffers[0];
@@ -789,6 +835,7 @@ alloc_drain(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
      * another thread until it lets go, and nothing below runs one on this thread's behalf. */
     retired = current;
     current = retired == &buffers[0] ? &buffers[1] : &buffers[0];
+    filter_rebuild();
     was_in_module = in_module;
     in_module = 1;
     samples = PyList_New(0);
