@@ -367,7 +367,7 @@ capture_stack(PyThreadState *tstate, raw_frame_t *out, uint8_t *truncated)
 }
 
 /* The slow path: `ptr` (`size` bytes) took the countdown to zero or below. */
-static void
+static __attribute__((noinline)) void
 sample_block(void *ptr, size_t size)
 {
     PyThreadState *tstate;
@@ -426,17 +426,15 @@ account(void *ptr, size_t size)
     }
 }
 
-/* A block freed (or moved by realloc): drop it from in-use if it was sampled. */
-static inline void
-forget(void *ptr)
+/* The slow part of forget(): `ptr` may be tracked. Kept out of line, so that the hooks' fast
+ * paths need no stack frame of their own. */
+static __attribute__((noinline)) void
+forget_tracked(void *ptr)
 {
     PyThreadState *tstate;
     uint64_t id;
     buffer_t *buf;
 
-    if (ntracked == 0 || ptr == NULL || !filter_may_hold((uintptr_t)ptr)) {
-        return;
-    }
     tstate = ALLOC_TSTATE();
     if (tstate == NULL || !in_main_interpreter(tstate)) {
         return;
@@ -451,6 +449,15 @@ forget(void *ptr)
     }
     else {
         n_lost_frees++;
+    }
+}
+
+/* A block freed (or moved by realloc): drop it from in-use if it was sampled. */
+static inline void
+forget(void *ptr)
+{
+    if (__builtin_expect(ntracked != 0 && ptr != NULL, 0) && filter_may_hold((uintptr_t)ptr)) {
+        forget_tracked(ptr);
     }
 }
 
@@ -494,10 +501,12 @@ static void
 hook_free(void *ctx, void *ptr)
 {
     domain_hook_t *hook = (domain_hook_t *)ctx;
-    hook->previous.free(hook->previous.ctx, ptr);
+    /* Only the address is looked at, so the block can be forgotten before it is freed; the
+     * free is then the last call (a jump, not a call frame more on the hottest path). */
     if (active) {
         forget(ptr);
     }
+    hook->previous.free(hook->previous.ctx, ptr);
 }
 
 /* --- buffers ---------------------------------------------------------------------------------- */
