@@ -31,6 +31,7 @@ from typing import Any
 from ..._labels._labelset import EMPTY, LABELS, LabelSet
 from ..._logging import log_once
 from .._window import MemoryWindow, StackTables
+from ._signal import in_main_os_thread
 
 try:
     from . import _alloc
@@ -201,10 +202,13 @@ class MemorySampler:
         self._inuse.clear()
 
     def _run(self) -> None:
-        if self._block_signals and threading.current_thread() is not threading.main_thread():
-            signal.pthread_sigmask(signal.SIG_BLOCK, self._block_signals)
-        # What this thread allocates is the sampler's own work, nobody's request.
-        _ignore_thread(True)
+        # Under gevent this "thread" is a greenlet of the main OS thread, which runs the
+        # application (and the CPU sampler's signal handler): leave that thread alone.
+        if not in_main_os_thread():
+            if self._block_signals:
+                signal.pthread_sigmask(signal.SIG_BLOCK, self._block_signals)
+            # What this thread allocates is the sampler's own work, nobody's request.
+            _ignore_thread(True)
         while not self._stop.wait(self.drain_interval):
             self.drain()
 
