@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from itertools import repeat
 from pathlib import Path
 
 import pytest
 
-from spanprof._labels._labelset import LabelSet
+from spanprof._labels._labelset import LABELS, LabelSet
 from spanprof._labels._scope import labels_scope
 from spanprof._local._receiver import PushReceiver, ReceivedSample
 from spanprof._profiling._encoders._memory import (
@@ -25,7 +27,7 @@ from spanprof._profiling._encoders._pprof import decode_profile
 from spanprof._profiling._encoders._push import decode_push_request_raw
 from spanprof._profiling._exact import ExactBackend
 from spanprof._profiling._runtime import ProfilerRuntime
-from spanprof._profiling._samplers._memory import memory_unavailable_reason
+from spanprof._profiling._samplers._memory import MemorySampler, memory_unavailable_reason
 from spanprof._profiling._window import MemoryWindow, StackTables, Window
 
 from .conftest import AGENT_ENV, require
@@ -303,3 +305,32 @@ def test_the_fallback_says_memory_samples_are_not_labelled(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr
     assert "mode pyroscope" in proc.stdout
     assert "memory samples are not labelled under the pyroscope-io fallback" in proc.stderr
+
+
+def test_memory_labels_are_the_allocating_greenlets() -> None:
+    """gevent greenlets taking turns on one OS thread: each sample carries its greenlet's labels."""
+    _available()
+    require(importlib.util.find_spec("gevent") is not None, "gevent is not installed")
+    import gevent
+
+    def run(labels: LabelSet, allocate: Callable[[int], object]) -> None:
+        LABELS.set(labels)  # each greenlet runs in a context of its own
+        for _ in range(300):
+            allocate(10)
+            gevent.sleep(0)
+
+    sampler = MemorySampler(sample_bytes=2048, drain_interval=3600, seed=7)
+    sampler.start()
+    try:
+        gevent.joinall(
+            [gevent.spawn(run, KEPT, keeps_memory), gevent.spawn(run, FREED, frees_memory)]
+        )
+        window = sampler.take_window()
+    finally:
+        sampler.stop()
+    seen: dict[str, set[str]] = {}
+    for sid, labels in window.values:
+        stack = [f for f in window.stack(sid) if not f.function.endswith("<listcomp>")]
+        if stack and stack[0].function in ("keeps_memory", "frees_memory"):
+            seen.setdefault(stack[0].function, set()).add(labels.get("span_id", ""))
+    assert seen == {"keeps_memory": {KEPT["span_id"]}, "frees_memory": {FREED["span_id"]}}
