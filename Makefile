@@ -6,8 +6,9 @@ PIP_FLAGS ?= --quiet --disable-pip-version-check
 
 .PHONY: test lint typecheck unit test-matrix route-matrix bench demo clean
 
-# The C extension (spanprof._labels._cproxy) is built by the editable install: rebuild when it changes.
-$(BIN)/.installed: pyproject.toml middleware/spanprof/_labels/_cproxy.c
+# The C extensions (spanprof._labels._cproxy, spanprof._profiling._samplers._alloc) are built by the editable install: rebuild when one changes.
+$(BIN)/.installed: pyproject.toml middleware/spanprof/_labels/_cproxy.c \
+		middleware/spanprof/_profiling/_samplers/_alloc.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(PIP_FLAGS) --upgrade pip
 	$(BIN)/pip install $(PIP_FLAGS) -e '.[dev,demo]'

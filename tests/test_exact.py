@@ -562,7 +562,11 @@ def test_exact_backend_pushes_exact_labels_and_flushes_on_shutdown() -> None:
             runtime.stop()
         assert backend.mode == "stopped"
         pushes = receiver.received_pushes()
-    assert len(pushes) == 1
+    # One CPU push (the final flush), and the memory profiles' own.
+    assert [[series.label("__name__") for series in push.series] for push in pushes] in (
+        [["process_cpu"], ["memory"]],
+        [["memory"], ["process_cpu"]],
+    )
     assert pushes[0].user_agent.startswith("spanprof/")
     samples = [s for s in receiver.samples() if s.has_function("burn_request_07")]
     assert samples
@@ -673,10 +677,12 @@ def test_exact_backend_starts_again_in_a_forked_child(tmp_path: Path) -> None:
         )
         assert proc.returncode == 0, proc.stderr
         samples = receiver.samples()
-        pushes = receiver.pushes
+        pushes = receiver.received_pushes()
     assert "child exact" in proc.stdout
     assert "parent stopped" in proc.stdout
-    assert pushes == 2
+    # Each process pushes its CPU window and its memory window once.
+    names = sorted(series.label("__name__") or "" for push in pushes for series in push.series)
+    assert names == ["memory", "memory", "process_cpu", "process_cpu"]
 
     def weight(function: str, span_id: str) -> float:
         return sum(

@@ -76,6 +76,8 @@ class ReceivedSample:
     value: int
     labels: tuple[tuple[str, str], ...]
     received_at: float
+    #: Every value of the sample, one per sample type (``value`` is the first).
+    values: tuple[int, ...] = ()
 
     def label_values(self, key: str) -> tuple[str, ...]:
         """Return every per-sample label value under ``key``, in wire order."""
@@ -448,11 +450,18 @@ class PushReceiver:
         with self._cond:
             return [s for p in self._pushes for s in p.series]
 
-    def samples(self) -> list[ReceivedSample]:
-        """Every pprof sample of every received series, flattened."""
+    def samples(self, profile_type: str | None = "process_cpu") -> list[ReceivedSample]:
+        """Every pprof sample of every received series of ``profile_type``, flattened.
+
+        ``profile_type`` is the series' ``__name__`` (``process_cpu`` by default, ``memory``
+        for memory profiles; a series without one counts as CPU); ``None`` takes every series.
+        """
         out: list[ReceivedSample] = []
         for push in self.received_pushes():
             for series in push.series:
+                name = series.label("__name__") or "process_cpu"
+                if profile_type is not None and name != profile_type:
+                    continue
                 for profile in series.profiles:
                     for s in profile.samples:
                         out.append(
@@ -462,6 +471,7 @@ class PushReceiver:
                                 value=s.values[0] if s.values else 0,
                                 labels=s.labels,
                                 received_at=push.received_at,
+                                values=s.values,
                             )
                         )
         return out

@@ -79,6 +79,8 @@ def _shared(backend: ExactBackend) -> ExactBackend:
         backend.auto,
         backend.exporters,
         backend.otlp_settings,
+        backend.memory,
+        backend.alloc_sample_bytes,
     )
     with _exact_lock:
         existing = _exact_backends.get(key)

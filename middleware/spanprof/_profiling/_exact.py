@@ -14,13 +14,16 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 
+from .._config import parse_bool, parse_int
 from .._labels._labelset import LabelSet
 from .._logging import logger
+from ._encoders._memory import MemoryEncoder, memory_series_labels
 from ._encoders._window import series_labels
 from ._exporters._fanout import WindowExporter, WindowFanout, stop_all
 from ._exporters._otlp import OtlpExporter, OtlpSettings
 from ._exporters._pusher import Pusher
 from ._pyroscope import PyroscopeBackend
+from ._samplers._memory import DEFAULT_SAMPLE_BYTES, MemorySampler, MemorySamplerUnavailable
 from ._samplers._signal import CLOCKS, Sampler, SamplerUnavailable, os_thread_ident
 from ._settings import PyroscopeSettings, WithPyroscopeSettings
 
@@ -74,6 +77,11 @@ class ExactBackend(WithPyroscopeSettings):
     ``RuntimeError``, when that signal already has a handler. The timer signals the main thread
     only: no other thread is interrupted or has to block the signal.
 
+    With ``memory=True`` (the default) it also samples allocations (about one per
+    ``alloc_sample_bytes`` allocated) with the stack and labels of the code that allocated them,
+    and pushes them as Pyroscope's ``memory`` profile type (allocated objects and bytes per upload
+    window, in-use objects and bytes at upload), each sample labelled with the allocating span.
+
     Arguments:
         server_address: Pyroscope URL, e.g. ``http://pyroscope:4040``.
         application_name: the ``service_name`` the profiles are stored under.
@@ -89,6 +97,9 @@ class ExactBackend(WithPyroscopeSettings):
             the traces' resource; ``server_address`` may be empty without ``pyroscope``.
         auto: chosen by ``SPANPROF_PROFILER=auto`` (the default) rather than asked for: the
             start-up line saying which profiler runs, fallback included, is INFO, not WARNING.
+        memory: sample allocations for memory profiles (default ``True``).
+        alloc_sample_bytes: mean bytes allocated between two allocation samples (default
+            524288, as pyroscope-io and Go).
     """
 
     def __init__(
@@ -105,6 +116,8 @@ class ExactBackend(WithPyroscopeSettings):
         clock: str = "cpu",
         auto: bool = False,
         exporters: str | Sequence[str] = "pyroscope",
+        memory: bool = True,
+        alloc_sample_bytes: int = DEFAULT_SAMPLE_BYTES,
     ) -> None:
         self.exporters = parse_exporters("exporters", exporters)
         if not server_address and "pyroscope" not in self.exporters:
@@ -124,6 +137,14 @@ class ExactBackend(WithPyroscopeSettings):
             raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {clock!r}")
         self.clock = clock
         self.auto = auto
+        if not 1 <= alloc_sample_bytes <= 1 << 40:
+            raise ValueError(
+                f"alloc_sample_bytes: expected 1 to 2**40 bytes, got {alloc_sample_bytes!r}"
+            )
+        self.memory = memory
+        self.alloc_sample_bytes = alloc_sample_bytes
+        self._memory_sampler: MemorySampler | None = None
+        self._memory_pusher: Pusher | None = None
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._sampler: Sampler | None = None
@@ -154,8 +175,9 @@ class ExactBackend(WithPyroscopeSettings):
         ``PYROSCOPE_TENANT_ID``, ``PYROSCOPE_BASIC_AUTH_USER``, ``PYROSCOPE_BASIC_AUTH_PASSWORD``,
         ``PYROSCOPE_LABELS``, plus ``SPANPROF_PROFILE_CLOCK`` (``cpu`` or ``wall``) and
         ``SPANPROF_PROFILES_EXPORTER`` (``pyroscope``, ``otlp`` or ``pyroscope,otlp``; with
-        ``otlp`` the ``OTEL_EXPORTER_OTLP_*`` variables, and no Pyroscope address is needed). A
-        bad value raises ``ValueError`` naming the variable.
+        ``otlp`` the ``OTEL_EXPORTER_OTLP_*`` variables, and no Pyroscope address is needed),
+        ``SPANPROF_MEMORY`` (``true``) and ``SPANPROF_ALLOC_SAMPLE_BYTES`` (``524288``). A bad
+        value raises ``ValueError`` naming the variable.
         """
         env = os.environ if environ is None else environ
         exporters = parse_exporters(
@@ -173,7 +195,20 @@ class ExactBackend(WithPyroscopeSettings):
             raise ValueError(
                 f"SPANPROF_PROFILE_CLOCK={clock!r}: expected one of {', '.join(CLOCKS)}"
             )
-        backend = cls(**settings.arguments(), clock=clock, auto=auto)
+        memory = parse_bool("SPANPROF_MEMORY", env.get("SPANPROF_MEMORY", "true") or "true")
+        sample_bytes = parse_int(
+            "SPANPROF_ALLOC_SAMPLE_BYTES",
+            env.get("SPANPROF_ALLOC_SAMPLE_BYTES", "") or str(DEFAULT_SAMPLE_BYTES),
+            minimum=1,
+            maximum=1 << 40,
+        )
+        backend = cls(
+            **settings.arguments(),
+            clock=clock,
+            auto=auto,
+            memory=memory,
+            alloc_sample_bytes=sample_bytes,
+        )
         backend.exporters, backend._otlp = exporters, otlp
         return backend
 
@@ -201,13 +236,21 @@ class ExactBackend(WithPyroscopeSettings):
         sampler, exporters = self._sampler, self._exporters
         if sampler is None or not exporters or self._pid != os.getpid():
             return dict(self._last_stats)
-        return self._stats_of(sampler, exporters)
+        return {**self._stats_of(sampler, exporters), **self._memory_stats()}
 
     @staticmethod
     def _stats_of(sampler: Sampler, exporters: list[WindowExporter]) -> dict[str, float]:
         stats = sampler.stats()
         for exporter in exporters:
             stats.update(exporter.stats())
+        return stats
+
+    def _memory_stats(self) -> dict[str, float]:
+        sampler, pusher = self._memory_sampler, self._memory_pusher
+        if sampler is None or pusher is None:
+            return {}
+        stats = {f"memory_{name}": value for name, value in sampler.stats().items()}
+        stats.update((f"memory_push_{name}", value) for name, value in pusher.stats().items())
         return stats
 
     # --- ProfilerBackend -----------------------------------------------------------------------
@@ -225,6 +268,7 @@ class ExactBackend(WithPyroscopeSettings):
             # After a fork the parent's objects are here, but not its threads or timer.
             self._sampler = self._fallback = None
             self._exporters = []
+            self._memory_pusher = None
             self._sink = _ignore
             self._context_thread = 0
             sampler = self._idle_sampler
@@ -263,6 +307,14 @@ class ExactBackend(WithPyroscopeSettings):
                 fallback.start()
                 self._fallback = fallback
                 self._sink = fallback.set_thread_labels
+                if self.memory:
+                    logger.log(
+                        logging.INFO if self.auto else logging.WARNING,
+                        "spanprof: memory samples are not labelled under the pyroscope-io "
+                        "fallback (pid %d): spanprof samples allocations only with its exact "
+                        "sampler, and pyroscope-io's memory profiles carry no labels",
+                        pid,
+                    )
             except BaseException:
                 stop_all(exporters)
                 sampler.stop()
@@ -280,6 +332,9 @@ class ExactBackend(WithPyroscopeSettings):
                     "" if self.clock == "cpu" else ", wall clock",
                     " and ".join(self.exporters),
                 )
+                # Memory profiles are a Pyroscope push of their own (OTLP carries CPU only).
+                if self.memory and "pyroscope" in self.exporters:
+                    self._start_memory(pid, sampler.signum)
             self._pid = pid
             if not self._atexit_registered:
                 # Like pyroscope-io: the last window is sent even without a lifespan shutdown.
@@ -315,6 +370,46 @@ class ExactBackend(WithPyroscopeSettings):
             )
         return exporters
 
+    def _start_memory(self, pid: int, signum: int) -> None:
+        # Allocation sampling with its own uploader: the memory series is a push of its own.
+        sampler = self._memory_sampler
+        if sampler is None:
+            sampler = self._memory_sampler = MemorySampler(
+                sample_bytes=self.alloc_sample_bytes, block_signals=(signum,)
+            )
+        try:
+            sampler.start()
+        except MemorySamplerUnavailable as exc:
+            logger.log(
+                logging.INFO if self.auto else logging.WARNING,
+                "spanprof: no memory profiles (pid %d): %s; CPU profiles are unaffected "
+                "(SPANPROF_MEMORY=false turns memory profiles off)",
+                pid,
+                exc,
+            )
+            return
+        period = self.alloc_sample_bytes
+        pusher = Pusher(
+            server_address=self.server_address,
+            labels=memory_series_labels(self.application_name, self.tags),
+            period_ns=period,
+            upload_interval=self.upload_interval,
+            tenant_id=self.tenant_id,
+            basic_auth_username=self.basic_auth_username,
+            basic_auth_password=self.basic_auth_password,
+            flush_timeout=2.0,
+            block_signals=(signum,),
+            encoder=lambda window: MemoryEncoder(window, period=period),
+        )
+        pusher.start(sampler.take_window)
+        self._memory_pusher = pusher
+        logger.info(
+            "spanprof: memory profiles (pid %d): one allocation sampled per %d bytes on average, "
+            "labelled with the allocating span",
+            pid,
+            period,
+        )
+
     def shutdown(self) -> None:
         """Stop sampling, upload the last window and stop the uploader (from any thread).
 
@@ -329,13 +424,24 @@ class ExactBackend(WithPyroscopeSettings):
             self._sink = _ignore
             self._context_thread = 0
             sampler, exporters, fallback = self._sampler, self._exporters, self._fallback
+            memory_pusher = self._memory_pusher
             self._sampler = self._fallback = None
             self._exporters = []
             if sampler is not None:
                 sampler.stop()
+            flushing: threading.Thread | None = None
+            if memory_pusher is not None:
+                if self._memory_sampler is not None:
+                    self._memory_sampler.stop()
+                # All uploaders flush at once: shutdown stays within one flush budget.
+                flushing = threading.Thread(target=memory_pusher.stop, daemon=True)
+                flushing.start()
             stop_all(exporters)
+            if flushing is not None:
+                flushing.join()
             if sampler is not None and exporters:
-                self._last_stats = self._stats_of(sampler, exporters)
+                self._last_stats = {**self._stats_of(sampler, exporters), **self._memory_stats()}
+            self._memory_pusher = None
             if fallback is not None:
                 fallback.shutdown()
 

@@ -1,6 +1,7 @@
 """What a sampler hands to the encoders: frames, interned stacks, and one upload window.
 
-A ``Window`` holds the samples of one upload interval as a weight per ``(stack id, labels)``;
+A ``Window`` holds the samples of one upload interval as a weight per ``(stack id, labels)``
+(a ``MemoryWindow`` adds allocated objects and the in-use memory at the window's end);
 its stacks are interned in ``StackTables`` shared by consecutive windows, so a sample costs a
 dict lookup at tick time and the encoders resolve ids only when they export.
 """
@@ -12,7 +13,7 @@ from types import CodeType, FrameType
 
 from .._labels._labelset import LabelSet
 
-__all__ = ["Frame", "StackTables", "Window", "code_name"]
+__all__ = ["Frame", "MemoryWindow", "StackTables", "Window", "code_name"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,3 +99,20 @@ class Window:
 
     def __len__(self) -> int:
         return len(self.values)
+
+
+@dataclass
+class MemoryWindow(Window):
+    """Allocation samples of one upload interval, and the memory still in use at its end.
+
+    Every number is an estimate, already scaled up from the samples: ``values`` holds the bytes
+    allocated per ``(stack id, labels)`` during the interval (``Window``'s weight, in bytes),
+    ``alloc_objects`` the objects allocated, ``inuse`` the ``(objects, bytes)`` of sampled
+    allocations not yet freed at ``end_ns``, wherever they were allocated.
+    """
+
+    alloc_objects: dict[tuple[int, LabelSet], int] = field(default_factory=dict)
+    inuse: dict[tuple[int, LabelSet], tuple[int, int]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.values.keys() | self.inuse.keys())

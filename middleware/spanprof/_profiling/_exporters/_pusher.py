@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 from urllib.parse import urlsplit
 
 from ..._config import parse_header_value, parse_server_address, redact_url, split_credentials
@@ -44,12 +44,23 @@ from .._encoders._window import WindowEncoder
 from .._samplers._signal import in_main_os_thread
 from .._window import Window
 
-__all__ = ["Pusher"]
+__all__ = ["Pusher", "StepEncoder"]
 
 _Outcome = Literal["ok", "retry", "reject", "error"]
 
 #: Statuses that mean "these credentials (or this tenant) are not accepted".
 _AUTH_STATUSES = (401, 403)
+
+
+class StepEncoder(Protocol):
+    """Encodes one window into pprof ``profiles``, a bounded slice of work per ``step()``."""
+
+    profiles: list[bytes]
+
+    @property
+    def done(self) -> bool: ...
+
+    def step(self) -> bool: ...
 
 
 @dataclass
@@ -77,6 +88,8 @@ class Pusher:
             doubling back-off.
         flush_timeout: how long ``stop()`` may spend on the last window and pending retries.
         block_signals: signals this thread blocks, so the sampler's timer never interrupts it.
+        encoder: makes the encoder of a window (default: CPU profiles, ``WindowEncoder``); the
+            memory profiles' pusher passes ``MemoryEncoder``.
     """
 
     def __init__(
@@ -96,6 +109,7 @@ class Pusher:
         backoff_max: float = 30.0,
         flush_timeout: float = 5.0,
         block_signals: Iterable[int] = (),
+        encoder: Callable[[Window], StepEncoder] | None = None,
     ) -> None:
         # The same checks as the settings': nothing here may fail later, in the upload thread.
         address, url_user, url_password = split_credentials(
@@ -120,6 +134,7 @@ class Pusher:
         self.backoff_max = backoff_max
         self.flush_timeout = flush_timeout
         self._block_signals = set(block_signals)
+        self._encoder = encoder
         self._headers = {
             "Content-Type": PUSH_CONTENT_TYPE,
             "Content-Encoding": "gzip",
@@ -261,10 +276,14 @@ class Pusher:
             return
         try:
             window = collect()
-            if not window.values:
+            if not window:
                 self.empty_windows += 1
                 return
-            encoder = WindowEncoder(window, period_ns=self.period_ns)
+            encoder: StepEncoder = (
+                WindowEncoder(window, period_ns=self.period_ns)
+                if self._encoder is None
+                else self._encoder(window)
+            )
             while not encoder.done:
                 self._timed(encoder.step)
             request: list[bytes] = []

@@ -1,0 +1,1008 @@
+/* spanprof._profiling._samplers._alloc: sample Python allocations with their stack and labels.
+ *
+ * A hook wraps CPython's object allocator (PYMEM_DOMAIN_OBJ; PYMEM_DOMAIN_MEM too on 3.12+,
+ * where every allocator must be thread-safe and MEM is called with an attached thread state;
+ * never RAW, which may run without one). It samples by bytes: a countdown drawn from an
+ * exponential distribution of mean `mean_bytes` is decremented by each block's size, and the
+ * block that takes it to zero or below is sampled; so a block of s bytes is sampled with
+ * probability 1 - exp(-s / mean), whatever the sizes around it (a Poisson process over the
+ * allocated bytes, as tcmalloc and Go sample). The Python side scales each sample by the inverse
+ * of that probability.
+ *
+ * A sampled block records, into preallocated buffers and without allocating:
+ * - its Python stack, leaf first: the code object (one new reference: nothing else keeps a
+ *   code object made by exec() alive until the buffer is read) and the last instruction's
+ *   offset of each frame, walked from the thread state's frame list (3.11+: the interpreter's
+ *   own frames, so no frame object is ever materialised);
+ * - the labels of the allocating context: PyContextVar_Get on spanprof's LABELS variable, which
+ *   is a cache hit or a HAMT lookup and allocates nothing (one new reference to the value);
+ * - for in-use memory, its address in a bounded open-addressing table (address -> sample id).
+ *   A full table leaves the sample out of in-use and counts it; a freed sampled block leaves
+ *   the table and its id goes to a preallocated list of frees.
+ *
+ * Nothing in a hook calls Python code, sets or clears an exception, or releases a reference.
+ * drain() (called with the GIL, outside any hook, by the Python side's drain thread) swaps the
+ * double-buffered samples and frees, then turns the retired buffer into Python objects; the
+ * calling thread's allocations meanwhile pass through unsampled (a thread-local guard, which
+ * also stops any hook from sampling re-entrantly).
+ *
+ * Safety with the GIL: every hook on OBJ and MEM runs with the GIL held, so the module's state
+ * needs no lock; hooks from another interpreter (3.12+ subinterpreters can own a GIL) only pass
+ * through. Free-threaded builds are refused: their allocator runs concurrently.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#if PY_VERSION_HEX < 0x030A0000
+#error "spanprof._profiling._samplers._alloc needs CPython 3.10+"
+#endif
+
+/* Where the interpreter keeps a thread's frames changes with each minor version: read only
+ * the layouts known here, refuse to start on others. */
+#if PY_VERSION_HEX < 0x030B0000
+#  include <frameobject.h>
+#  define ALLOC_FRAMES_KNOWN 1
+#elif PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
+#  ifndef Py_BUILD_CORE
+#    define Py_BUILD_CORE 1
+#    define ALLOC_DEFINED_BUILD_CORE 1
+#  endif
+#  include <internal/pycore_frame.h>
+#  ifdef ALLOC_DEFINED_BUILD_CORE
+#    undef Py_BUILD_CORE
+#  endif
+#  define ALLOC_FRAMES_KNOWN 1
+#else
+#  define ALLOC_FRAMES_KNOWN 0
+#endif
+
+#if PY_VERSION_HEX >= 0x030D0000
+#  define ALLOC_TSTATE() PyThreadState_GetUnchecked()
+#else
+#  define ALLOC_TSTATE() _PyThreadState_UncheckedGet()
+#endif
+
+/* --- state (all of it touched only with the GIL held, from the main interpreter) ----------- */
+
+typedef struct {
+    PyObject *code;   /* strong reference */
+    int lasti;        /* offset of the last instruction, in bytes (frame.f_lasti), -1 if none */
+} raw_frame_t;
+
+typedef struct {
+    uint64_t id;
+    size_t size;
+    PyObject *labels;         /* strong reference, or NULL: the variable had no value */
+    uint32_t first_frame;     /* index into the buffer's frame pool */
+    uint16_t nframes;
+    uint8_t tracked;          /* in the in-use table */
+    uint8_t truncated;        /* the stack was deeper than max_frames */
+} record_t;
+
+typedef struct {
+    record_t *records;
+    uint32_t nrecords;
+    raw_frame_t *frames;
+    uint32_t nframes;
+    uint64_t *freed;          /* ids of sampled blocks freed since the last drain */
+    uint32_t nfreed;
+} buffer_t;
+
+typedef struct {
+    uintptr_t ptr;            /* 0: empty slot */
+    uint64_t id;
+} slot_t;
+
+typedef struct {
+    PyMemAllocatorEx previous;
+    PyMemAllocatorDomain domain;
+    int installed;
+} domain_hook_t;
+
+static domain_hook_t hook_obj = {.domain = PYMEM_DOMAIN_OBJ};
+static domain_hook_t hook_mem = {.domain = PYMEM_DOMAIN_MEM};
+
+/* Sampling on: the slow paths and the free path consult this first. */
+static int active;
+/* The hooks stay installed but idle: another allocator was put over them, so stop() could not
+ * take them out without cutting that one off. */
+static int stuck;
+static int64_t countdown;
+static double mean_bytes;
+static uint64_t rng_state;
+static PyObject *labels_var;             /* the ContextVar, strong reference */
+static PyInterpreterState *main_interp;
+
+static uint32_t max_records;
+static uint32_t max_pool_frames;
+static uint32_t max_freed;
+static uint16_t max_frames;
+
+static buffer_t buffers[2];
+static buffer_t *current;                /* the buffer hooks write; drain() reads the other */
+
+static slot_t *table;
+static uint64_t table_mask;
+static int table_bits;
+/* One bit per hash of a tracked address: a free whose bit is clear (almost every free) needs
+ * no probe of the table, which is megabytes and would cost a cache miss per free. Inserts set
+ * bits, removals leave them (a stale bit costs one probe); drain() rebuilds it. */
+#define FILTER_BITS 18
+static uint64_t *filter;
+static uint32_t max_tracked;
+static uint32_t ntracked;
+
+static uint64_t next_id = 1;
+
+/* Counters since start(). */
+static uint64_t n_samples;        /* blocks sampled (recorded or dropped) */
+static uint64_t n_dropped;        /* sampled but not recorded: buffer full (drain too slow) */
+static uint64_t n_untracked;      /* recorded, but left out of in-use: the table is full */
+static uint64_t n_frees;          /* sampled blocks seen freed */
+static uint64_t n_lost_frees;     /* frees the free list had no room for (never expected) */
+static uint64_t n_reentered;      /* samples skipped because the thread was inside the module */
+static uint64_t n_foreign;        /* samples skipped: no thread state, or another interpreter */
+static uint64_t n_truncated;      /* samples whose stack was cut at max_frames */
+
+/* Set while this thread is inside the module (sampling, or drain() building objects). */
+static _Thread_local int in_module;
+
+/* --- random gaps ----------------------------------------------------------------------------- */
+
+static uint64_t
+rng_next(void)
+{
+    /* xorshift64* */
+    uint64_t x = rng_state;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    rng_state = x;
+    return x * 0x2545F4914F6CDD1DULL;
+}
+
+/* Bytes until the next sample: exponential with mean `mean_bytes`, at least 1. */
+static int64_t
+next_gap(void)
+{
+    /* u in (0, 1]: 53 random bits, never 0, so log(u) is finite. */
+    double u = ((double)(rng_next() >> 11) + 1.0) * (1.0 / 9007199254740992.0);
+    double gap = -mean_bytes * log(u);
+    if (gap < 1.0) {
+        return 1;
+    }
+    if (gap > 4.0e18) {
+        return (int64_t)4e18;
+    }
+    return (int64_t)gap;
+}
+
+/* --- the in-use table: linear probing, backward-shift deletion -------------------------------- */
+
+static inline uint64_t
+slot_of(uintptr_t ptr)
+{
+    /* Blocks are 16-byte aligned: drop the zero bits, then Fibonacci hashing (high bits). */
+    return (((uint64_t)ptr >> 4) * 0x9E3779B97F4A7C15ULL) >> (64 - table_bits);
+}
+
+static inline uint64_t
+filter_bit(uintptr_t ptr)
+{
+    return (((uint64_t)ptr >> 4) * 0xC2B2AE3D27D4EB4FULL) >> (64 - FILTER_BITS);
+}
+
+static inline int
+filter_may_hold(uintptr_t ptr)
+{
+    uint64_t bit = filter_bit(ptr);
+    return (filter[bit >> 6] >> (bit & 63)) & 1;
+}
+
+static inline void
+filter_add(uintptr_t ptr)
+{
+    uint64_t bit = filter_bit(ptr);
+    filter[bit >> 6] |= 1ULL << (bit & 63);
+}
+
+/* Forget removed addresses' bits: only the tracked ones stay set. */
+static void
+filter_rebuild(void)
+{
+    uint64_t i;
+    memset(filter, 0, sizeof(uint64_t) << (FILTER_BITS - 6));
+    for (i = 0; i <= table_mask; i++) {
+        if (table[i].ptr != 0) {
+            filter_add(table[i].ptr);
+        }
+    }
+}
+
+/* 1 if tracked, 0 if the table is full. An address already in the table (a free we never saw)
+ * is taken over, and the stale sample reported freed. */
+static int
+table_insert(uintptr_t ptr, uint64_t id, buffer_t *buf)
+{
+    uint64_t i = slot_of(ptr);
+    while (table[i].ptr != 0) {
+        if (table[i].ptr == ptr) {
+            if (buf->nfreed < max_freed) {
+                buf->freed[buf->nfreed++] = table[i].id;
+            }
+            else {
+                n_lost_frees++;
+            }
+            n_frees++;
+            table[i].id = id;
+            return 1;
+        }
+        i = (i + 1) & table_mask;
+    }
+    if (ntracked >= max_tracked) {
+        return 0;
+    }
+    table[i].ptr = ptr;
+    table[i].id = id;
+    filter_add(ptr);
+    ntracked++;
+    return 1;
+}
+
+/* Remove `ptr`; 1 and its id in *id if it was there. */
+static int
+table_remove(uintptr_t ptr, uint64_t *id)
+{
+    uint64_t i = slot_of(ptr), j, home;
+    while (table[i].ptr != ptr) {
+        if (table[i].ptr == 0) {
+            return 0;
+        }
+        i = (i + 1) & table_mask;
+    }
+    *id = table[i].id;
+    /* Shift later entries of the same probe run back over the hole. */
+    j = i;
+    for (;;) {
+        j = (j + 1) & table_mask;
+        if (table[j].ptr == 0) {
+            break;
+        }
+        home = slot_of(table[j].ptr);
+        /* Move j to i unless j's home lies cyclically in (i, j]. */
+        if ((j > i && (home <= i || home > j)) || (j < i && (home <= i && home > j))) {
+            table[i] = table[j];
+            i = j;
+        }
+    }
+    table[i].ptr = 0;
+    table[i].id = 0;
+    ntracked--;
+    return 1;
+}
+
+/* --- the hooks -------------------------------------------------------------------------------- */
+
+static int
+in_main_interpreter(PyThreadState *tstate)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyThreadState_GetInterpreter(tstate) == main_interp;
+#else
+    (void)tstate;
+    return 1;  /* one GIL for all interpreters */
+#endif
+}
+
+/* Copy up to max_frames frames of the thread's stack, leaf first, into `out`. Returns the count;
+ * *truncated is set when frames were left out. No allocation, no Python call. */
+static uint16_t
+capture_stack(PyThreadState *tstate, raw_frame_t *out, uint8_t *truncated)
+{
+    uint16_t n = 0;
+    *truncated = 0;
+#if PY_VERSION_HEX < 0x030B0000
+    PyFrameObject *frame = tstate->frame;
+    while (frame != NULL) {
+        if (n == max_frames) {
+            *truncated = 1;
+            break;
+        }
+        out[n].code = (PyObject *)frame->f_code;
+        Py_INCREF(out[n].code);
+        out[n].lasti = frame->f_lasti < 0 ? -1 : frame->f_lasti * (int)sizeof(_Py_CODEUNIT);
+        n++;
+        frame = frame->f_back;
+    }
+#elif ALLOC_FRAMES_KNOWN
+#  if PY_VERSION_HEX >= 0x030D0000
+    _PyInterpreterFrame *frame = tstate->current_frame;
+#  else
+    _PyInterpreterFrame *frame = tstate->cframe->current_frame;
+#  endif
+    while (frame != NULL) {
+        PyCodeObject *code;
+        int lasti;
+#  if PY_VERSION_HEX >= 0x030C0000
+        if (frame->owner == FRAME_OWNED_BY_CSTACK) {  /* the C stack's entry shim */
+            frame = frame->previous;
+            continue;
+        }
+#  endif
+#  if PY_VERSION_HEX >= 0x030D0000
+        if (frame->f_executable == NULL || !PyCode_Check(frame->f_executable)) {
+            frame = frame->previous;
+            continue;
+        }
+        code = (PyCodeObject *)frame->f_executable;
+#  else
+        code = frame->f_code;
+#  endif
+        /* A frame still being set up (no instruction run yet) is not on Python's stack. */
+        if (_PyFrame_IsIncomplete(frame)) {
+            frame = frame->previous;
+            continue;
+        }
+        if (n == max_frames) {
+            *truncated = 1;
+            break;
+        }
+        lasti = _PyInterpreterFrame_LASTI(frame);
+        out[n].code = (PyObject *)code;
+        Py_INCREF(out[n].code);
+        out[n].lasti = lasti < 0 ? -1 : lasti * (int)sizeof(_Py_CODEUNIT);
+        n++;
+        frame = frame->previous;
+    }
+#else
+    (void)tstate;
+    (void)out;
+#endif
+    return n;
+}
+
+/* The slow path: `ptr` (`size` bytes) took the countdown to zero or below. */
+static __attribute__((noinline)) void
+sample_block(void *ptr, size_t size)
+{
+    PyThreadState *tstate;
+    buffer_t *buf;
+    record_t *rec;
+    PyObject *labels = NULL;
+
+    /* The next gap starts at this block's end (the process is memoryless). */
+    countdown = next_gap();
+    if (in_module) {
+        n_reentered++;
+        return;
+    }
+    tstate = ALLOC_TSTATE();
+    if (tstate == NULL || !in_main_interpreter(tstate)) {
+        n_foreign++;
+        return;
+    }
+    in_module = 1;
+    n_samples++;
+    buf = current;
+    if (buf->nrecords >= max_records || max_pool_frames - buf->nframes < max_frames) {
+        n_dropped++;
+        in_module = 0;
+        return;
+    }
+    rec = &buf->records[buf->nrecords];
+    rec->first_frame = buf->nframes;
+    rec->nframes = capture_stack(tstate, &buf->frames[buf->nframes], &rec->truncated);
+    if (rec->truncated) {
+        n_truncated++;
+    }
+    /* Checked at start(): the variable is a ContextVar, so this cannot fail; it returns the
+     * allocating context's value (a new reference) or its default. */
+    if (PyContextVar_Get(labels_var, NULL, &labels) < 0) {
+        labels = NULL;
+    }
+    rec->labels = labels;
+    rec->id = next_id++;
+    rec->size = size;
+    rec->tracked = (uint8_t)table_insert((uintptr_t)ptr, rec->id, buf);
+    if (!rec->tracked) {
+        n_untracked++;
+    }
+    buf->nframes += rec->nframes;
+    buf->nrecords++;
+    in_module = 0;
+}
+
+static inline void
+account(void *ptr, size_t size)
+{
+    countdown -= (int64_t)size;
+    if (__builtin_expect(countdown <= 0, 0)) {
+        sample_block(ptr, size);
+    }
+}
+
+/* The slow part of forget(): `ptr` may be tracked. Kept out of line, so that the hooks' fast
+ * paths need no stack frame of their own. */
+static __attribute__((noinline)) void
+forget_tracked(void *ptr)
+{
+    PyThreadState *tstate;
+    uint64_t id;
+    buffer_t *buf;
+
+    tstate = ALLOC_TSTATE();
+    if (tstate == NULL || !in_main_interpreter(tstate)) {
+        return;
+    }
+    if (!table_remove((uintptr_t)ptr, &id)) {
+        return;
+    }
+    n_frees++;
+    buf = current;
+    if (buf->nfreed < max_freed) {
+        buf->freed[buf->nfreed++] = id;
+    }
+    else {
+        n_lost_frees++;
+    }
+}
+
+/* A block freed (or moved by realloc): drop it from in-use if it was sampled. */
+static inline void
+forget(void *ptr)
+{
+    if (__builtin_expect(ntracked != 0 && ptr != NULL, 0) && filter_may_hold((uintptr_t)ptr)) {
+        forget_tracked(ptr);
+    }
+}
+
+static void *
+hook_malloc(void *ctx, size_t size)
+{
+    domain_hook_t *hook = (domain_hook_t *)ctx;
+    void *ptr = hook->previous.malloc(hook->previous.ctx, size);
+    if (__builtin_expect(ptr != NULL && active, 1)) {
+        account(ptr, size);
+    }
+    return ptr;
+}
+
+static void *
+hook_calloc(void *ctx, size_t nelem, size_t elsize)
+{
+    domain_hook_t *hook = (domain_hook_t *)ctx;
+    void *ptr = hook->previous.calloc(hook->previous.ctx, nelem, elsize);
+    if (ptr != NULL && active) {
+        /* calloc checked nelem * elsize for overflow before it succeeded. */
+        account(ptr, nelem * elsize);
+    }
+    return ptr;
+}
+
+static void *
+hook_realloc(void *ctx, void *old, size_t new_size)
+{
+    domain_hook_t *hook = (domain_hook_t *)ctx;
+    void *ptr = hook->previous.realloc(hook->previous.ctx, old, new_size);
+    if (ptr != NULL && active) {
+        /* The old block is gone (moved or resized): a new block of new_size takes its place. */
+        forget(old);
+        account(ptr, new_size);
+    }
+    return ptr;
+}
+
+static void
+hook_free(void *ctx, void *ptr)
+{
+    domain_hook_t *hook = (domain_hook_t *)ctx;
+    /* Only the address is looked at, so the block can be forgotten before it is freed; the
+     * free is then the last call (a jump, not a call frame more on the hottest path). */
+    if (active) {
+        forget(ptr);
+    }
+    hook->previous.free(hook->previous.ctx, ptr);
+}
+
+/* --- buffers ---------------------------------------------------------------------------------- */
+
+/* Release what a buffer holds (with the GIL, outside the hooks) and empty it. */
+static void
+buffer_clear(buffer_t *buf)
+{
+    uint32_t i;
+    for (i = 0; i < buf->nframes; i++) {
+        Py_CLEAR(buf->frames[i].code);
+    }
+    for (i = 0; i < buf->nrecords; i++) {
+        Py_CLEAR(buf->records[i].labels);
+    }
+    buf->nframes = buf->nrecords = buf->nfreed = 0;
+}
+
+static void
+free_state(void)
+{
+    int i;
+    for (i = 0; i < 2; i++) {
+        if (buffers[i].records != NULL) {
+            buffer_clear(&buffers[i]);
+        }
+        PyMem_RawFree(buffers[i].records);
+        PyMem_RawFree(buffers[i].frames);
+        PyMem_RawFree(buffers[i].freed);
+        memset(&buffers[i], 0, sizeof(buffer_t));
+    }
+    PyMem_RawFree(table);
+    PyMem_RawFree(filter);
+    table = NULL;
+    filter = NULL;
+    table_mask = 0;
+    table_bits = 0;
+    ntracked = 0;
+    current = NULL;
+    Py_CLEAR(labels_var);
+}
+
+static int
+alloc_state(void)
+{
+    uint64_t size = 2;
+    int i;
+    table_bits = 1;
+    while (size < 2 * (uint64_t)max_tracked) {
+        size <<= 1;
+        table_bits++;
+    }
+    table = PyMem_RawCalloc((size_t)size, sizeof(slot_t));
+    table_mask = size - 1;
+    filter = PyMem_RawCalloc((size_t)1 << (FILTER_BITS - 6), sizeof(uint64_t));
+    for (i = 0; i < 2; i++) {
+        buffers[i].records = PyMem_RawCalloc(max_records, sizeof(record_t));
+        buffers[i].frames = PyMem_RawCalloc(max_pool_frames, sizeof(raw_frame_t));
+        buffers[i].freed = PyMem_RawCalloc(max_freed, sizeof(uint64_t));
+        if (buffers[i].records == NULL || buffers[i].frames == NULL || buffers[i].freed == NULL) {
+            goto fail;
+        }
+    }
+    if (table == NULL || filter == NULL) {
+        goto fail;
+    }
+    current = &buffers[0];
+    return 0;
+fail:
+    free_state();
+    PyErr_NoMemory();
+    return -1;
+}
+
+/* --- Python functions ------------------------------------------------------------------------- */
+
+/* Why the hooks cannot run in this interpreter, or NULL. */
+static const char *
+unsupported_reason(void)
+{
+#ifdef Py_GIL_DISABLED
+    return "this is a free-threaded CPython build: its allocator runs in many threads at once "
+           "without the GIL, and the sampler's tables are guarded by the GIL";
+#else
+    if (!ALLOC_FRAMES_KNOWN) {
+        return "this CPython version's frame layout is not known to spanprof (3.10 to 3.13 are)";
+    }
+    return NULL;
+#endif
+}
+
+PyDoc_STRVAR(unsupported_doc,
+"unsupported() -> str | None\n"
+"--\n"
+"\n"
+"Why allocation sampling cannot run in this interpreter, or None when it can.");
+
+static PyObject *
+alloc_unsupported(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
+{
+    const char *reason = unsupported_reason();
+    if (reason == NULL) {
+        Py_RETURN_NONE;
+    }
+    return PyUnicode_FromString(reason);
+}
+
+static int
+install(domain_hook_t *hook)
+{
+    PyMemAllocatorEx ours = {
+        .ctx = hook,
+        .malloc = hook_malloc,
+        .calloc = hook_calloc,
+        .realloc = hook_realloc,
+        .free = hook_free,
+    };
+    PyMem_GetAllocator(hook->domain, &hook->previous);
+    PyMem_SetAllocator(hook->domain, &ours);
+    hook->installed = 1;
+    return 0;
+}
+
+static int
+is_ours(domain_hook_t *hook)
+{
+    PyMemAllocatorEx now;
+    PyMem_GetAllocator(hook->domain, &now);
+    return now.malloc == hook_malloc && now.ctx == hook;
+}
+
+PyDoc_STRVAR(start_doc,
+"start(labels_var, mean_bytes, max_samples, max_tracked, max_frames, mem_domain, seed)\n"
+"--\n"
+"\n"
+"Install the hooks and start sampling about one block per ``mean_bytes`` allocated.\n"
+"\n"
+"``labels_var`` is the ContextVar read at each sampled allocation; ``max_samples`` bounds the\n"
+"samples kept between two drain() calls, ``max_tracked`` the sampled blocks tracked for in-use\n"
+"memory, ``max_frames`` the frames kept per stack (leaf first). ``mem_domain`` also hooks\n"
+"PYMEM_DOMAIN_MEM (honoured on 3.12+ only). ``seed`` 0 seeds from the clock. Raises\n"
+"RuntimeError when sampling cannot run here or already runs.");
+
+static PyObject *
+alloc_start(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *var;
+    double mean;
+    unsigned long long samples, tracked, frames, seed;
+    int mem_domain;
+    const char *reason = unsupported_reason();
+
+    if (!PyArg_ParseTuple(args, "OdKKKpK:start", &var, &mean, &samples, &tracked, &frames,
+                          &mem_domain, &seed)) {
+        return NULL;
+    }
+    if (reason != NULL) {
+        PyErr_Format(PyExc_RuntimeError, "allocation sampling cannot run: %s", reason);
+        return NULL;
+    }
+    if (stuck) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "allocation sampling cannot restart: its hooks are still installed "
+                        "under another allocator hook that was set after them");
+        return NULL;
+    }
+    if (active || hook_obj.installed) {
+        PyErr_SetString(PyExc_RuntimeError, "allocation sampling already runs");
+        return NULL;
+    }
+    if (!PyContextVar_CheckExact(var)) {
+        PyErr_SetString(PyExc_TypeError, "labels_var must be a contextvars.ContextVar");
+        return NULL;
+    }
+    if (!(mean >= 1.0 && mean <= 1e15)) {
+        PyErr_SetString(PyExc_ValueError, "mean_bytes must be between 1 and 1e15");
+        return NULL;
+    }
+    if (samples < 1 || samples > 1000000 || tracked < 1 || tracked > 10000000 || frames < 1 ||
+        frames > 1024) {
+        PyErr_SetString(PyExc_ValueError,
+                        "max_samples must be in [1, 1e6], max_tracked in [1, 1e7], "
+                        "max_frames in [1, 1024]");
+        return NULL;
+    }
+    max_records = (uint32_t)samples;
+    max_frames = (uint16_t)frames;
+    /* Room for max_frames on the deepest stack, 32 frames per sample on average. */
+    max_pool_frames = (uint32_t)(samples * 32 < frames ? frames : samples * 32);
+    if (max_pool_frames < max_frames) {
+        max_pool_frames = max_frames;
+    }
+    max_tracked = (uint32_t)tracked;
+    /* Between two drains at most every tracked block and every new sample can be freed. */
+    max_freed = max_tracked + max_records;
+    if (alloc_state() < 0) {
+        return NULL;
+    }
+    labels_var = Py_NewRef(var);
+    mean_bytes = mean;
+    rng_state = seed != 0 ? seed
+                          : ((uint64_t)time(NULL) << 32) ^ (uint64_t)clock() ^
+                                (uint64_t)(uintptr_t)&rng_state ^ 0x9E3779B97F4A7C15ULL;
+    if (rng_state == 0) {
+        rng_state = 0x9E3779B97F4A7C15ULL;
+    }
+    countdown = next_gap();
+    main_interp = PyInterpreterState_Main();
+    n_samples = n_dropped = n_untracked = n_frees = n_lost_frees = 0;
+    n_reentered = n_foreign = n_truncated = 0;
+    install(&hook_obj);
+#if PY_VERSION_HEX >= 0x030C0000
+    if (mem_domain) {
+        install(&hook_mem);
+    }
+#else
+    (void)mem_domain;
+#endif
+    active = 1;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(stop_doc,
+"stop() -> bool\n"
+"--\n"
+"\n"
+"Stop sampling and put the previous allocators back. False when another hook was installed\n"
+"over these since start(): they then stay in place, passing every call through.");
+
+static PyObject *
+alloc_stop(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
+{
+    int restored = 1;
+    if (!hook_obj.installed) {
+        Py_RETURN_TRUE;
+    }
+    active = 0;
+    if (!is_ours(&hook_obj) || (hook_mem.installed && !is_ours(&hook_mem))) {
+        /* Taking ours out would cut off the hook above, which calls ours: stay, idle. */
+        stuck = 1;
+        restored = 0;
+    }
+    else {
+        if (hook_mem.installed) {
+            PyMem_SetAllocator(hook_mem.domain, &hook_mem.previous);
+            hook_mem.installed = 0;
+        }
+        PyMem_SetAllocator(hook_obj.domain, &hook_obj.previous);
+        hook_obj.installed = 0;
+    }
+    free_state();
+    return PyBool_FromLong(restored);
+}
+
+/* One record as (id, size, tracked, labels, codes, lastis, truncated); takes over the record's
+ * references (its code objects and labels end up in the tuple). */
+static PyObject *
+record_tuple(buffer_t *buf, record_t *rec)
+{
+    PyObject *item, *codes, *lastis, *value;
+    uint16_t i;
+    raw_frame_t *frames = &buf->frames[rec->first_frame];
+
+    item = PyTuple_New(7);
+    if (item == NULL) {
+        return NULL;
+    }
+    /* Filled in order; a failure leaves NULL slots, which tuple dealloc skips. */
+    if ((value = PyLong_FromUnsignedLongLong(rec->id)) == NULL) {
+        goto fail;
+    }
+    PyTuple_SET_ITEM(item, 0, value);
+    if ((value = PyLong_FromSize_t(rec->size)) == NULL) {
+        goto fail;
+    }
+    PyTuple_SET_ITEM(item, 1, value);
+    PyTuple_SET_ITEM(item, 2, PyBool_FromLong(rec->tracked));
+    if ((codes = PyTuple_New(rec->nframes)) == NULL) {
+        goto fail;
+    }
+    PyTuple_SET_ITEM(item, 4, codes);
+    if ((lastis = PyTuple_New(rec->nframes)) == NULL) {
+        goto fail;
+    }
+    PyTuple_SET_ITEM(item, 5, lastis);
+    for (i = 0; i < rec->nframes; i++) {
+        if ((value = PyLong_FromLong(frames[i].lasti)) == NULL) {
+            goto fail;
+        }
+        PyTuple_SET_ITEM(lastis, i, value);
+    }
+    PyTuple_SET_ITEM(item, 6, PyBool_FromLong(rec->truncated));
+    /* Nothing can fail from here: hand the references over. */
+    for (i = 0; i < rec->nframes; i++) {
+        PyTuple_SET_ITEM(codes, i, frames[i].code);
+        frames[i].code = NULL;
+    }
+    if (rec->labels != NULL) {
+        PyTuple_SET_ITEM(item, 3, rec->labels);
+        rec->labels = NULL;
+    }
+    else {
+        PyTuple_SET_ITEM(item, 3, Py_NewRef(Py_None));
+    }
+    return item;
+fail:
+    /* The code slots of `codes` are still NULL: its dealloc skips them, the buffer keeps them. */
+    Py_DECREF(item);
+    return NULL;
+}
+
+PyDoc_STRVAR(drain_doc,
+"drain() -> tuple[list[tuple[int, int, bool, object, tuple[CodeType, ...], tuple[int, ...], bool]], list[int]]\n"
+"--\n"
+"\n"
+"The samples taken and the sampled blocks freed since the last call.\n"
+"\n"
+"Each sample is (id, size, tracked, labels, codes, lastis, truncated): codes and lastis are\n"
+"its stack, leaf first. Frees list the ids of tracked samples (reported by an earlier or this\n"
+"same drain) whose block was freed. The calling thread's allocations are not sampled while\n"
+"this runs.");
+
+static PyObject *
+alloc_drain(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
+{
+    buffer_t *retired;
+    PyObject *samples = NULL, *freed = NULL, *result;
+    uint32_t i;
+    int was_in_module;
+
+    if (current == NULL) {
+        return Py_BuildValue("([][])");
+    }
+    /* Hooks write the other buffer from now on. This thread holds the GIL: no hook runs on
+     * another thread until it lets go, and nothing below runs one on this thread's behalf. */
+    retired = current;
+    current = retired == &buffers[0] ? &buffers[1] : &buffers[0];
+    filter_rebuild();
+    was_in_module = in_module;
+    in_module = 1;
+    samples = PyList_New(0);
+    freed = PyList_New(0);
+    if (samples == NULL || freed == NULL) {
+        goto fail;
+    }
+    for (i = 0; i < retired->nrecords; i++) {
+        PyObject *item = record_tuple(retired, &retired->records[i]);
+        int status;
+        if (item == NULL) {
+            goto fail;
+        }
+        status = PyList_Append(samples, item);
+        Py_DECREF(item);
+        if (status < 0) {
+            goto fail;
+        }
+    }
+    for (i = 0; i < retired->nfreed; i++) {
+        PyObject *id = PyLong_FromUnsignedLongLong(retired->freed[i]);
+        int status;
+        if (id == NULL) {
+            goto fail;
+        }
+        status = PyList_Append(freed, id);
+        Py_DECREF(id);
+        if (status < 0) {
+            goto fail;
+        }
+    }
+    buffer_clear(retired);
+    in_module = was_in_module;
+    result = PyTuple_Pack(2, samples, freed);
+    Py_DECREF(samples);
+    Py_DECREF(freed);
+    return result;
+fail:
+    /* What was not handed over is released; those samples and frees are lost (counted). */
+    n_dropped += retired->nrecords;
+    n_lost_frees += retired->nfreed;
+    buffer_clear(retired);
+    in_module = was_in_module;
+    Py_XDECREF(samples);
+    Py_XDECREF(freed);
+    return NULL;
+}
+
+PyDoc_STRVAR(ignore_thread_doc,
+"ignore_thread(ignore) -> bool\n"
+"--\n"
+"\n"
+"Whether the calling thread's allocations are left unsampled from now on (the sampler's own\n"
+"work); returns the previous setting. Frees are still seen.");
+
+static PyObject *
+alloc_ignore_thread(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    int ignore = PyObject_IsTrue(arg);
+    int previous = in_module;
+    if (ignore < 0) {
+        return NULL;
+    }
+    in_module = ignore;
+    return PyBool_FromLong(previous);
+}
+
+PyDoc_STRVAR(stats_doc,
+"stats() -> dict[str, int]\n"
+"--\n"
+"\n"
+"Counters since start(): samples, dropped, untracked, tracked (now), frees, lost_frees,\n"
+"reentered, foreign, truncated; active and stuck as 0/1.");
+
+static PyObject *
+alloc_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
+{
+    return Py_BuildValue(
+        "{sKsKsKsKsKsKsKsKsKsisi}", "samples", (unsigned long long)n_samples, "dropped",
+        (unsigned long long)n_dropped, "untracked", (unsigned long long)n_untracked, "tracked",
+        (unsigned long long)ntracked, "frees", (unsigned long long)n_frees, "lost_frees",
+        (unsigned long long)n_lost_frees, "reentered", (unsigned long long)n_reentered,
+        "foreign", (unsigned long long)n_foreign, "truncated", (unsigned long long)n_truncated,
+        "active", active, "stuck", stuck);
+}
+
+PyDoc_STRVAR(allocator_doc,
+"allocator(domain) -> int\n"
+"--\n"
+"\n"
+"An opaque number for the allocator now installed on ``domain`` (0 RAW, 1 MEM, 2 OBJ): its\n"
+"malloc function's address. Equal numbers before start() and after stop() mean the previous\n"
+"allocator is back.");
+
+static PyObject *
+alloc_allocator(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    long domain = PyLong_AsLong(arg);
+    PyMemAllocatorEx now;
+    if (domain == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (domain != PYMEM_DOMAIN_RAW && domain != PYMEM_DOMAIN_MEM && domain != PYMEM_DOMAIN_OBJ) {
+        PyErr_SetString(PyExc_ValueError, "domain must be 0 (RAW), 1 (MEM) or 2 (OBJ)");
+        return NULL;
+    }
+    PyMem_GetAllocator((PyMemAllocatorDomain)domain, &now);
+    return PyLong_FromVoidPtr((void *)(uintptr_t)now.malloc);
+}
+
+PyDoc_STRVAR(addr2line_doc,
+"addr2line(code, lasti) -> int\n"
+"--\n"
+"\n"
+"The source line of the instruction at byte offset ``lasti`` of ``code`` (its first line when\n"
+"``lasti`` is negative or has no line).");
+
+static PyObject *
+alloc_addr2line(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *code;
+    int lasti, line;
+    if (!PyArg_ParseTuple(args, "O!i:addr2line", &PyCode_Type, &code, &lasti)) {
+        return NULL;
+    }
+    line = lasti < 0 ? -1 : PyCode_Addr2Line((PyCodeObject *)code, lasti);
+    if (line < 0) {
+        line = ((PyCodeObject *)code)->co_firstlineno;
+    }
+    return PyLong_FromLong(line);
+}
+
+static PyMethodDef alloc_methods[] = {
+    {"unsupported", alloc_unsupported, METH_NOARGS, unsupported_doc},
+    {"start", alloc_start, METH_VARARGS, start_doc},
+    {"stop", alloc_stop, METH_NOARGS, stop_doc},
+    {"drain", alloc_drain, METH_NOARGS, drain_doc},
+    {"stats", alloc_stats, METH_NOARGS, stats_doc},
+    {"ignore_thread", alloc_ignore_thread, METH_O, ignore_thread_doc},
+    {"allocator", alloc_allocator, METH_O, allocator_doc},
+    {"addr2line", alloc_addr2line, METH_VARARGS, addr2line_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(module_doc,
+"Allocation sampling for spanprof's memory profiles: a hook on CPython's object allocator\n"
+"records the stack and the labels of about one block per ``mean_bytes`` allocated.");
+
+static struct PyModuleDef alloc_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "spanprof._profiling._samplers._alloc",
+    .m_doc = module_doc,
+    .m_size = -1,  /* process-wide state: single-phase init, never in an isolated interpreter */
+    .m_methods = alloc_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__alloc(void)
+{
+    return PyModule_Create(&alloc_module);
+}

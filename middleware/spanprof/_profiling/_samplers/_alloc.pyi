@@ -1,0 +1,41 @@
+"""Type stub of the optional C extension ``spanprof._profiling._samplers._alloc`` (``_alloc.c``)."""
+
+from contextvars import ContextVar
+from types import CodeType
+from typing import Any
+
+#: One sample: (id, size, tracked, labels, codes, lastis, truncated); the stack is leaf first.
+RawSample = tuple[int, int, bool, object, tuple[CodeType, ...], tuple[int, ...], bool]
+
+def unsupported() -> str | None:
+    """Why allocation sampling cannot run in this interpreter, or None when it can."""
+
+def start(
+    labels_var: ContextVar[Any],
+    mean_bytes: float,
+    max_samples: int,
+    max_tracked: int,
+    max_frames: int,
+    mem_domain: bool,
+    seed: int,
+    /,
+) -> None:
+    """Install the hooks and sample about one block per ``mean_bytes`` allocated."""
+
+def stop() -> bool:
+    """Put the previous allocators back; False when another hook sits over these."""
+
+def drain() -> tuple[list[RawSample], list[int]]:
+    """The samples taken, and the ids of tracked samples freed, since the last call."""
+
+def ignore_thread(ignore: bool, /) -> bool:
+    """Leave the calling thread's allocations unsampled (or not); returns the previous setting."""
+
+def stats() -> dict[str, int]:
+    """Counters since start()."""
+
+def allocator(domain: int, /) -> int:
+    """An opaque number for the allocator installed on ``domain`` (0 RAW, 1 MEM, 2 OBJ)."""
+
+def addr2line(code: CodeType, lasti: int, /) -> int:
+    """The source line of byte offset ``lasti`` in ``code``."""

@@ -1,0 +1,385 @@
+"""The allocation sampler: memory profiles whose samples carry the allocating span's labels.
+
+``_alloc`` (C) hooks CPython's object allocator and samples about one block per
+``sample_bytes`` allocated (exponentially distributed gaps, so a block of ``s`` bytes is sampled
+with probability ``1 - exp(-s / sample_bytes)``). Each sample records the block's Python stack
+and the labels of the context that allocated it: ``LABELS`` read inside the hook, so a request's
+allocations are its own whichever task, child task or pool thread made them, at no per-switch
+cost. Sampled blocks stay in a bounded table until freed, so the memory each span still holds
+is known too.
+
+The hook only fills preallocated buffers. ``MemorySampler`` turns them into Python objects
+outside it, on its own thread every ``drain_interval`` seconds (and whenever a window is taken):
+it interns stacks in ``StackTables``, scales every sample by the inverse of its sampling
+probability (the unbiased estimate of what was allocated), and keeps the in-use estimate per
+``(stack, labels)`` up to date as sampled blocks are freed. ``take_window`` hands the exporter
+a ``MemoryWindow``: the interval's allocations and a snapshot of what is in use.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sysconfig
+import threading
+import time
+from collections.abc import Iterable
+from types import CodeType
+from typing import Any
+
+from ..._labels._labelset import EMPTY, LABELS, LabelSet
+from ..._logging import log_once
+from .._window import MemoryWindow, StackTables
+from ._signal import in_main_os_thread
+
+try:
+    from . import _alloc
+except ImportError:  # built without a compiler, or an interpreter that cannot load it
+    _alloc = None  # type: ignore[assignment]
+
+__all__ = [
+    "DEFAULT_SAMPLE_BYTES",
+    "MemorySampler",
+    "MemorySamplerUnavailable",
+    "memory_unavailable_reason",
+]
+
+#: The mean number of bytes between two samples (pyroscope-io's and Go's default too).
+DEFAULT_SAMPLE_BYTES = 512 * 1024
+
+# Interned stacks are dropped (live ones re-interned) past this many frames and stacks.
+_MAX_TABLE_SIZE = 100_000
+
+_Key = tuple[int, LabelSet]
+
+# The longest stretch a drain holds the GIL for before letting other threads run.
+_SLICE_NS = 500_000
+
+
+class MemorySamplerUnavailable(RuntimeError):
+    """Allocation sampling cannot run in this process (the message says why)."""
+
+
+def memory_unavailable_reason() -> str | None:
+    """Why allocation sampling cannot run in this interpreter, or ``None`` when it can."""
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return (
+            "this is a free-threaded CPython build: its allocator runs in many threads at once "
+            "without the GIL, which the sampler's tables rely on"
+        )
+    if _alloc is None:
+        return (
+            "its C extension (spanprof._profiling._samplers._alloc) is not built; reinstall "
+            "spanprof with a C compiler and Python headers present"
+        )
+    return _alloc.unsupported()
+
+
+class MemorySampler:
+    """Samples allocations by bytes and keeps per-``(stack, labels)`` estimates.
+
+    Arguments:
+        sample_bytes: mean bytes allocated between two samples (default 512 KiB).
+        max_samples: samples kept between two drains; more are dropped and counted.
+        max_tracked: sampled blocks tracked until freed (for in-use memory); beyond that a
+            sample still counts as allocated but not as in use (counted as ``untracked``).
+        max_frames: frames kept per stack, leaf first.
+        drain_interval: seconds between two drains of the C buffers.
+        mem_domain: also sample ``PyMem_Malloc`` (lists' and dicts' arrays; on 3.12+ only).
+        seed: the sampler's random seed (0: from the clock).
+        block_signals: signals the drain thread blocks (the CPU sampler's timer).
+    """
+
+    def __init__(
+        self,
+        *,
+        sample_bytes: int = DEFAULT_SAMPLE_BYTES,
+        max_samples: int = 8192,
+        max_tracked: int = 65536,
+        max_frames: int = 128,
+        drain_interval: float = 0.25,
+        mem_domain: bool = True,
+        seed: int = 0,
+        block_signals: Iterable[int] = (),
+    ) -> None:
+        if not 1 <= sample_bytes <= 1 << 40:
+            raise ValueError(f"alloc_sample_bytes: expected 1 to 2**40 bytes, got {sample_bytes}")
+        self.sample_bytes = sample_bytes
+        self.max_samples = max_samples
+        self.max_tracked = max_tracked
+        self.max_frames = max_frames
+        self.drain_interval = drain_interval
+        self.mem_domain = mem_domain
+        self.seed = seed
+        self._block_signals = set(block_signals)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid: int | None = None
+        self._tables = StackTables()
+        # (lastis, code ids) -> stack id, for self._tables.
+        self._stack_ids: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+        self._started_ns = time.time_ns()
+        self._alloc_objects: dict[_Key, float] = {}
+        self._alloc_bytes: dict[_Key, float] = {}
+        # Sampled blocks not yet freed: id -> (key, objects, bytes); and their sums per key.
+        self._live: dict[int, tuple[_Key, float, float]] = {}
+        self._inuse: dict[_Key, list[float]] = {}
+        self.drains = 0
+        self.drain_errors = 0
+        self.max_drain_ns = 0
+        self._last_stats: dict[str, float] = {}
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether this sampler's hooks sample in this process."""
+        return self._pid == os.getpid()
+
+    def start(self) -> None:
+        """Install the allocator hooks and start the drain thread.
+
+        Raises ``MemorySamplerUnavailable`` when this process cannot sample allocations.
+        """
+        reason = memory_unavailable_reason()
+        if reason is not None or _alloc is None:
+            raise MemorySamplerUnavailable(reason or "no allocator hook")
+        with self._lock:
+            pid = os.getpid()
+            if self._pid == pid:
+                return
+            if self._pid is not None:
+                # Forked from a sampling parent: its hooks are here, its drain thread is not.
+                _alloc.stop()
+                self._reset()
+            try:
+                _alloc.start(
+                    LABELS,
+                    float(self.sample_bytes),
+                    self.max_samples,
+                    self.max_tracked,
+                    self.max_frames,
+                    self.mem_domain,
+                    self.seed,
+                )
+            except RuntimeError as exc:
+                raise MemorySamplerUnavailable(str(exc)) from exc
+            self._pid = pid
+            self._started_ns = time.time_ns()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="spanprof-memory", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop sampling and put the previous allocator back (the samples stay for a window)."""
+        thread, self._thread = self._thread, None
+        self._stop.set()
+        if thread is not None:
+            thread.join(5.0)
+        with self._lock:
+            if self._pid != os.getpid() or _alloc is None:
+                return
+            ignoring = _alloc.ignore_thread(True)
+            try:
+                self._drain_locked()
+            finally:
+                _alloc.ignore_thread(ignoring)
+            self._last_stats = self._stats_locked()
+            if not _alloc.stop():
+                log_once(
+                    "memory-hook-stuck",
+                    "spanprof: another allocator hook (tracemalloc?) was installed after the "
+                    "memory sampler's; its hooks stay in place, idle, so that one keeps working",
+                    exc_info=False,
+                )
+            self._pid = None
+
+    def _reset(self) -> None:
+        self._tables = StackTables()
+        self._stack_ids.clear()
+        self._alloc_objects.clear()
+        self._alloc_bytes.clear()
+        self._live.clear()
+        self._inuse.clear()
+
+    def _run(self) -> None:
+        # Under gevent this "thread" is a greenlet of the main OS thread, which runs the
+        # application (and the CPU sampler's signal handler): leave that thread alone.
+        if not in_main_os_thread():
+            if self._block_signals:
+                signal.pthread_sigmask(signal.SIG_BLOCK, self._block_signals)
+            # What this thread allocates is the sampler's own work, nobody's request.
+            _ignore_thread(True)
+        while not self._stop.wait(self.drain_interval):
+            self.drain()
+
+    # --- drains and windows ---------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Move the C buffers' samples and frees into the estimates."""
+        ignoring = _ignore_thread(True)
+        try:
+            with self._lock:
+                if self._pid == os.getpid():
+                    self._drain_locked()
+        finally:
+            _ignore_thread(ignoring)
+
+    def take_window(self) -> MemoryWindow:
+        """The allocations since the last window, and what is in use now."""
+        # What building the window allocates is the sampler's own work, not the application's.
+        ignoring = _ignore_thread(True)
+        try:
+            return self._take_window()
+        finally:
+            _ignore_thread(ignoring)
+
+    def _take_window(self) -> MemoryWindow:
+        with self._lock:
+            if self._pid == os.getpid():
+                self._drain_locked()
+            now = time.time_ns()
+            window = MemoryWindow(
+                self._started_ns,
+                self._tables,
+                values={k: round(v) for k, v in self._alloc_bytes.items()},
+                end_ns=now,
+                alloc_objects={k: round(v) for k, v in self._alloc_objects.items()},
+                inuse={k: (round(v[0]), round(v[1])) for k, v in self._inuse.items()},
+            )
+            self._alloc_bytes = {}
+            self._alloc_objects = {}
+            self._started_ns = now
+            if len(self._tables) > _MAX_TABLE_SIZE:
+                self._reintern_live()
+            return window
+
+    def _drain_locked(self) -> None:
+        # Called with the calling thread's allocations ignored (drain, take_window, stop).
+        if _alloc is None:
+            return
+        started = time.perf_counter_ns()
+        try:
+            samples, freed = _alloc.drain()
+        except MemoryError:
+            self.drain_errors += 1
+            return
+        mean = float(self.sample_bytes)
+        tables = self._tables
+        stack_ids = self._stack_ids
+        alloc_objects = self._alloc_objects
+        alloc_bytes = self._alloc_bytes
+        live = self._live
+        inuse = self._inuse
+        deadline = started + _SLICE_NS
+        for n, (sample_id, size, tracked, labels, codes, lastis, _truncated) in enumerate(samples):
+            if n % 32 == 31 and time.perf_counter_ns() > deadline:
+                # A burst of samples is turned into estimates in slices: the application's
+                # threads get the GIL in between (this lock keeps other drains out).
+                time.sleep(0)
+                deadline = time.perf_counter_ns() + _SLICE_NS
+            if size <= 0:
+                continue
+            if not isinstance(labels, LabelSet):
+                labels = EMPTY
+            stack_key = (lastis, tuple(map(id, codes)))
+            sid = stack_ids.get(stack_key)
+            if sid is None:
+                sid = stack_ids[stack_key] = _intern(tables, codes, lastis)
+            key = (sid, labels)
+            # Sampled with probability p: each sample stands for 1/p blocks like it.
+            scale = 1.0 / -math.expm1(-size / mean)
+            objects, nbytes = scale, size * scale
+            alloc_objects[key] = alloc_objects.get(key, 0.0) + objects
+            alloc_bytes[key] = alloc_bytes.get(key, 0.0) + nbytes
+            if tracked:
+                live[sample_id] = (key, objects, nbytes)
+                total = inuse.get(key)
+                if total is None:
+                    inuse[key] = [objects, nbytes, 1]
+                else:
+                    total[0] += objects
+                    total[1] += nbytes
+                    total[2] += 1
+        for sample_id in freed:
+            entry = live.pop(sample_id, None)
+            if entry is None:
+                continue
+            key, objects, nbytes = entry
+            total = inuse[key]
+            total[2] -= 1
+            if total[2] <= 0:
+                del inuse[key]
+            else:
+                total[0] -= objects
+                total[1] -= nbytes
+        self.drains += 1
+        took = time.perf_counter_ns() - started
+        if took > self.max_drain_ns:
+            self.max_drain_ns = took
+
+    def _reintern_live(self) -> None:
+        # Start new tables, carrying over only the stacks that live samples still point at.
+        old = self._tables
+        new = StackTables()
+        moved: dict[int, int] = {}
+
+        def move(sid: int) -> int:
+            new_sid = moved.get(sid)
+            if new_sid is None:
+                fids = []
+                for frame in old.stacks[sid]:
+                    fids.append(len(new.frames))
+                    new.frames.append(frame)
+                new_sid = moved[sid] = new.add_stack(tuple(fids))
+            return new_sid
+
+        self._live = {
+            i: ((move(key[0]), key[1]), objects, nbytes)
+            for i, (key, objects, nbytes) in self._live.items()
+        }
+        self._inuse = {(move(key[0]), key[1]): total for key, total in self._inuse.items()}
+        self._tables = new
+        self._stack_ids = {}
+
+    # --- counters -------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Hook counters (samples, dropped, untracked, tracked...) and the drains' cost."""
+        with self._lock:
+            if self._pid != os.getpid():
+                return dict(self._last_stats)
+            return self._stats_locked()
+
+    def _stats_locked(self) -> dict[str, float]:
+        raw: dict[str, Any] = _alloc.stats() if _alloc is not None else {}
+        return {
+            **{k: float(v) for k, v in raw.items() if k not in ("active", "stuck")},
+            "live": float(len(self._live)),
+            "drains": float(self.drains),
+            "drain_errors": float(self.drain_errors),
+            "max_drain_us": self.max_drain_ns / 1e3,
+        }
+
+
+def _intern(tables: StackTables, codes: tuple[CodeType, ...], lastis: tuple[int, ...]) -> int:
+    ids: list[int] = []
+    frame_ids = tables.frame_ids
+    line_of = _alloc.addr2line if _alloc is not None else _first_line
+    for code, lasti in zip(codes, lastis, strict=True):
+        fid = frame_ids.get((id(code), lasti))
+        if fid is None:
+            fid = tables.raw_frame(code, lasti, line_of(code, lasti))
+        ids.append(fid)
+    return tables.stack_of(tuple(ids))
+
+
+def _ignore_thread(ignore: bool) -> bool:
+    """Leave the calling thread's allocations unsampled (or not); the previous setting."""
+    return _alloc.ignore_thread(ignore) if _alloc is not None else False
+
+
+def _first_line(code: CodeType, lasti: int) -> int:
+    return code.co_firstlineno

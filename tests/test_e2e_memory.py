@@ -1,0 +1,146 @@
+"""End to end: uvicorn + Starlette + the default profiler's memory profiles, 16 requests at once."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from spanprof._local._receiver import PushReceiver, ReceivedSample
+from spanprof._profiling._samplers._memory import memory_unavailable_reason
+
+from .conftest import require
+from .e2e.memory_app import BLOCK, KEEP_EVERY, alloc_index
+from .e2e.server import free_port, serve, uvicorn_argv
+
+pytestmark = [pytest.mark.e2e, pytest.mark.engine]
+
+CONCURRENCY = 16
+SAMPLE_BYTES = 64 * 1024
+KEYS = ("span_id", "trace_id", "span_name")
+
+
+async def _fire(base: str, count: int) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+        responses = await asyncio.gather(*(client.get(f"/alloc/{i}") for i in range(count)))
+        stats = (await client.get("/stats")).json()
+    for response in responses:
+        response.raise_for_status()
+    return {i: response.json() for i, response in enumerate(responses)}, stats
+
+
+def _bound(truth_bytes: float, sigmas: float = 4.0) -> float:
+    """Relative error of a bytes estimate from blocks of BLOCK bytes sampled at SAMPLE_BYTES."""
+    p = -math.expm1(-BLOCK / SAMPLE_BYTES)
+    expected_samples = truth_bytes / BLOCK * p
+    # + 2%: the kept lists' arrays, allocated in the same functions.
+    return sigmas * math.sqrt((1 - p) / expected_samples) + 0.02
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_memory_samples_carry_the_allocating_requests_labels(loop: str, tmp_path: Path) -> None:
+    """>= 99% of request bytes carry exactly their request's labels; estimates match the truth."""
+    require(sys.platform.startswith("linux"), "the exact profiler needs Linux")
+    reason = memory_unavailable_reason()
+    require(reason is None, reason or "")
+    port = free_port()
+    with PushReceiver() as receiver:
+        env = {
+            "PYROSCOPE_SERVER_ADDRESS": receiver.url,
+            "PYROSCOPE_APPLICATION_NAME": "e2e-memory",
+            "PYROSCOPE_UPLOAD_INTERVAL": "1",
+            # More samples than the default 512 KiB, so that per-request bounds are tight.
+            "SPANPROF_ALLOC_SAMPLE_BYTES": str(SAMPLE_BYTES),
+        }
+        with serve(
+            uvicorn_argv("tests.e2e.memory_app:app", port, loop),
+            health_url=f"http://127.0.0.1:{port}/health",
+            env=env,
+            log_path=tmp_path / "server.log",
+        ):
+            results, stats = asyncio.run(_fire(f"http://127.0.0.1:{port}", CONCURRENCY))
+        pushes = receiver.received_pushes()
+        samples = receiver.samples("memory")
+        assert receiver.errors == []
+    log = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in log, log
+    assert stats["mode"] == "exact", stats
+    assert stats["memory_dropped"] == 0, stats
+    assert stats["memory_lost_frees"] == 0, stats
+    expected = {i: result["labels"] for i, result in results.items()}
+    assert len({labels["span_id"] for labels in expected.values()}) == CONCURRENCY
+
+    exact = wrong = unlabelled = double = background = background_labelled = 0
+    allocated: dict[int, int] = {}
+    for sample in samples:
+        alloc_space = sample.values[1]
+        spans = sample.label_values("span_id")
+        if len(spans) > 1:
+            double += alloc_space
+        names = [frame.function for frame in sample.stack]
+        if "background_alloc" in names:
+            background += alloc_space
+            if spans:
+                background_labelled += alloc_space
+            continue
+        index = alloc_index(names)
+        if index is None:
+            continue
+        allocated[index] = allocated.get(index, 0) + alloc_space
+        want = expected[index]
+        if not spans:
+            unlabelled += alloc_space
+        elif all(sample.label_values(key) == (want[key],) for key in KEYS):
+            exact += alloc_space
+        else:
+            wrong += alloc_space
+    summary = (
+        f"exact {exact}, wrong {wrong}, unlabelled {unlabelled}, double {double}, "
+        f"background {background_labelled}/{background} labelled; {stats}"
+    )
+    print(loop, summary)
+    request_total = exact + wrong + unlabelled
+    assert request_total > 0, summary
+    assert exact / request_total >= 0.99, summary
+    assert double == 0, summary
+    assert background > 0, summary
+    assert background_labelled == 0, summary
+
+    truth = {i: result["allocated"] for i, result in results.items()}
+    for i in range(CONCURRENCY):
+        assert allocated.get(i, 0) == pytest.approx(truth[i], rel=_bound(truth[i])), (i, summary)
+    pooled = sum(truth.values())
+    assert sum(allocated.values()) == pytest.approx(pooled, rel=_bound(pooled))
+
+    # In use at the last upload (the flush at shutdown): the kept quarter, not the freed rest.
+    last = next(
+        push
+        for push in reversed(pushes)
+        if any(series.label("__name__") == "memory" for series in push.series)
+    )
+    inuse: dict[int, int] = {}
+    for sample in _memory_samples(last):
+        index = alloc_index([frame.function for frame in sample.stack])
+        if index is not None and sample.label_values("span_id") == (expected[index]["span_id"],):
+            inuse[index] = inuse.get(index, 0) + sample.values[3]
+    for i in range(CONCURRENCY):
+        kept = results[i]["kept"]
+        assert kept == truth[i] // KEEP_EVERY
+        assert inuse.get(i, 0) == pytest.approx(kept, rel=_bound(kept)), (i, inuse, kept)
+    assert sum(inuse.values()) == pytest.approx(pooled / KEEP_EVERY, rel=_bound(pooled / 4))
+
+
+def _memory_samples(push: Any) -> list[ReceivedSample]:
+    out: list[ReceivedSample] = []
+    for series in push.series:
+        if series.label("__name__") != "memory":
+            continue
+        for profile in series.profiles:
+            for s in profile.samples:
+                out.append(ReceivedSample(series.labels, s.stack, s.value, s.labels, 0.0, s.values))
+    return out

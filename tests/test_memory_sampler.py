@@ -1,0 +1,396 @@
+"""The allocation sampler: rate, labels at allocation, in-use, bounds, re-entrancy, the hooks."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import math
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from itertools import repeat
+
+import pytest
+
+from spanprof._labels._labelset import LABELS, LabelSet
+from spanprof._profiling._samplers._memory import (
+    MemorySampler,
+    MemorySamplerUnavailable,
+    memory_unavailable_reason,
+)
+from spanprof._profiling._window import MemoryWindow
+
+from .conftest import IN_CI, require
+
+pytestmark = pytest.mark.engine
+
+# Every object below is a bytes object of this many bytes of payload; the allocator sees its
+# whole size (header included), which sys.getsizeof reports.
+PAYLOAD = 1000
+BLOCK = sys.getsizeof(bytes(PAYLOAD))
+
+
+def _available() -> None:
+    reason = memory_unavailable_reason()
+    # Under CI the extension must be built (gcc is in .ci/run's packages).
+    built = importlib.util.find_spec("spanprof._profiling._samplers._alloc") is not None
+    if reason is not None and IN_CI and not built:
+        pytest.fail(f"missing under CI: {reason}")
+    require(reason is None, reason or "")
+
+
+@contextmanager
+def sampling(**options: object) -> Iterator[MemorySampler]:
+    """A started sampler (seeded, never drained by its thread unless asked), stopped after."""
+    _available()
+    options.setdefault("seed", 12345)
+    options.setdefault("drain_interval", 3600.0)
+    sampler = MemorySampler(**options)  # type: ignore[arg-type]
+    sampler.start()
+    try:
+        yield sampler
+    finally:
+        sampler.stop()
+
+
+def by_function(window: MemoryWindow, function: str) -> dict[LabelSet, list[float]]:
+    """[alloc objects, alloc bytes, inuse objects, inuse bytes] per labels, for samples whose
+    leaf-most Python frame is ``function``."""
+    out: dict[LabelSet, list[float]] = {}
+    for key in window.values.keys() | window.inuse.keys():
+        # Before 3.12 a list comprehension runs in a frame of its own: skip it.
+        stack = [f for f in window.stack(key[0]) if not f.function.endswith("<listcomp>")]
+        if not stack or stack[0].function != function:
+            continue
+        row = out.setdefault(key[1], [0.0, 0.0, 0.0, 0.0])
+        row[0] += window.alloc_objects.get(key, 0)
+        row[1] += window.values.get(key, 0)
+        inuse = window.inuse.get(key, (0, 0))
+        row[2] += inuse[0]
+        row[3] += inuse[1]
+    return out
+
+
+def total(rows: dict[LabelSet, list[float]], column: int) -> float:
+    return sum(row[column] for row in rows.values())
+
+
+# --- the functions that allocate (their names are what the tests look for in stacks) -----------
+
+
+# repeat(None, n) yields without allocating (range would allocate an int per step), so these
+# functions allocate their blocks and (when they keep them) a growing list's array only.
+# The list's array goes through PyMem_Realloc (sampled on 3.12+): a few percent of the bytes.
+LIST_OVERHEAD = 0.03
+
+
+def churn(count: int) -> None:
+    for _ in repeat(None, count):
+        bytes(PAYLOAD)
+
+
+def keep_blocks(count: int) -> list[bytes]:
+    return [bytes(PAYLOAD) for _ in repeat(None, count)]
+
+
+def drop_blocks(count: int) -> None:
+    blocks = [bytes(PAYLOAD) for _ in repeat(None, count)]
+    del blocks
+
+
+def big_blocks(count: int, size: int) -> None:
+    for _ in repeat(None, count):
+        bytes(size)
+
+
+def task_a_allocates(count: int) -> list[bytes]:
+    return [bytes(PAYLOAD) for _ in repeat(None, count)]
+
+
+def task_b_allocates(count: int) -> list[bytes]:
+    return [bytes(PAYLOAD) for _ in repeat(None, count)]
+
+
+# --- tests --------------------------------------------------------------------------------------
+
+
+def bound(expected_samples: float, sigmas: float = 4.0) -> float:
+    """Relative error an estimate from ``expected_samples`` samples stays within."""
+    return sigmas / math.sqrt(expected_samples)
+
+
+@pytest.mark.parametrize("mean", [16 * 1024, 512 * 1024])
+def test_estimates_match_the_bytes_and_objects_allocated(mean: int) -> None:
+    """Allocated bytes and objects, scaled from the samples, are within 4 sigma of the truth."""
+    count = 200_000 if mean > 100_000 else 40_000
+    with sampling(sample_bytes=mean) as sampler:
+        churn(count)
+        window = sampler.take_window()
+        stats = sampler.stats()
+    rows = by_function(window, "churn")
+    truth_bytes = count * BLOCK
+    p = -math.expm1(-BLOCK / mean)
+    tolerance = bound(count * p)
+    assert stats["dropped"] == 0, stats
+    assert total(rows, 1) == pytest.approx(truth_bytes, rel=tolerance), (rows, stats)
+    assert total(rows, 0) == pytest.approx(count, rel=tolerance), (rows, stats)
+
+
+def test_large_blocks_are_weighted_by_their_sampling_probability() -> None:
+    """Blocks larger than the mean are sampled most of the time, and weighted 1/p, not S/R."""
+    size, count, mean = 1 << 20, 400, 512 * 1024
+    with sampling(sample_bytes=mean) as sampler:
+        big_blocks(count, size)
+        window = sampler.take_window()
+    rows = by_function(window, "big_blocks")
+    p = -math.expm1(-(size + 33) / mean)
+    tolerance = bound(count * p / (1 - p))
+    assert total(rows, 0) == pytest.approx(count, rel=tolerance), rows
+    assert total(rows, 1) == pytest.approx(count * (size + 33), rel=tolerance), rows
+
+
+def test_unsampled_rate_is_what_the_mean_says() -> None:
+    """The number of samples over many small blocks is Poisson with mean allocated / R."""
+    count, mean = 100_000, 64 * 1024
+    with sampling(sample_bytes=mean) as sampler:
+        churn(count)
+        window = sampler.take_window()
+    samples = sum(1 for key in window.values if window.stack(key[0])[0].function == "churn")
+    # Each sample of a 1 KB block weighs ~1/p objects; count the samples back from the weights.
+    p = -math.expm1(-BLOCK / mean)
+    expected = count * p
+    estimated_samples = total(by_function(window, "churn"), 0) * p
+    assert samples >= 1
+    assert estimated_samples == pytest.approx(expected, abs=4 * math.sqrt(expected))
+
+
+def test_freed_blocks_leave_in_use_and_kept_ones_stay() -> None:
+    """In-use shows the blocks still referenced, not the ones already freed."""
+    with sampling(sample_bytes=8 * 1024) as sampler:
+        kept = keep_blocks(20_000)
+        drop_blocks(20_000)
+        window = sampler.take_window()
+        kept_rows = by_function(window, "keep_blocks")
+        dropped_rows = by_function(window, "drop_blocks")
+        truth = len(kept) * BLOCK
+        p = -math.expm1(-BLOCK / (8 * 1024))
+        tolerance = bound(len(kept) * p) + LIST_OVERHEAD
+        assert total(kept_rows, 3) == pytest.approx(truth, rel=tolerance), kept_rows
+        assert total(dropped_rows, 1) == pytest.approx(truth, rel=tolerance), dropped_rows
+        assert total(dropped_rows, 3) == 0, dropped_rows
+        # Allocation values are per window; in-use is a snapshot, and follows frees.
+        del kept
+        later = sampler.take_window()
+    assert total(by_function(later, "keep_blocks"), 1) == 0
+    assert total(by_function(later, "keep_blocks"), 3) == 0
+
+
+def test_labels_are_the_allocating_tasks_while_tasks_interleave() -> None:
+    """Two asyncio tasks take turns every few blocks: each sample carries its own task's labels."""
+    a = LabelSet({"span_id": "a" * 16})
+    b = LabelSet({"span_id": "b" * 16})
+
+    async def run(labels: LabelSet, allocate: Callable[[int], list[bytes]]) -> list[bytes]:
+        LABELS.set(labels)  # the task's own context copy
+        kept: list[bytes] = []
+        for _ in range(400):
+            kept += allocate(10)
+            await asyncio.sleep(0)
+        return kept
+
+    async def main() -> None:
+        await asyncio.gather(run(a, task_a_allocates), run(b, task_b_allocates))
+
+    with sampling(sample_bytes=2048) as sampler:
+        asyncio.run(main())
+        window = sampler.take_window()
+    rows_a = by_function(window, "task_a_allocates")
+    rows_b = by_function(window, "task_b_allocates")
+    assert set(rows_a) == {a}, rows_a
+    assert set(rows_b) == {b}, rows_b
+    assert total(rows_a, 0) > 1000
+
+
+def test_labels_are_the_allocating_threads() -> None:
+    """Threads switched every 50 µs: each sample carries the labels of the thread that allocated."""
+    a = LabelSet({"span_id": "a" * 16})
+    b = LabelSet({"span_id": "b" * 16})
+
+    def run(labels: LabelSet, allocate: Callable[[int], list[bytes]]) -> None:
+        LABELS.set(labels)
+        for _ in range(300):
+            allocate(20)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.00005)
+    try:
+        with sampling(sample_bytes=2048) as sampler:
+            threads = [
+                threading.Thread(target=run, args=(a, task_a_allocates)),
+                threading.Thread(target=run, args=(b, task_b_allocates)),
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            window = sampler.take_window()
+    finally:
+        sys.setswitchinterval(interval)
+    rows_a = by_function(window, "task_a_allocates")
+    rows_b = by_function(window, "task_b_allocates")
+    assert set(rows_a) == {a}, rows_a
+    assert set(rows_b) == {b}, rows_b
+
+
+def test_stack_is_leaf_first_with_lines() -> None:
+    """A sample's stack starts at the allocating function and names its callers, with lines."""
+    with sampling(sample_bytes=1) as sampler:
+        keep = keep_blocks(5)
+        window = sampler.take_window()
+    stacks = [window.stack(key[0]) for key in window.values]
+    mine = [
+        [f for f in s if not f.function.endswith("<listcomp>")]
+        for s in stacks
+        if s and s[0].function.endswith(("keep_blocks", "<listcomp>"))
+    ]
+    mine = [s for s in mine if s and s[0].function == "keep_blocks"]
+    assert mine, stacks[:5]
+    assert mine[0][1].function == "test_stack_is_leaf_first_with_lines"
+    assert mine[0][0].filename == __file__
+    assert mine[0][0].line > keep_blocks.__code__.co_firstlineno
+    assert len(keep) == 5
+
+
+def test_the_tracked_table_is_bounded_and_counts_what_it_left_out() -> None:
+    """Past max_tracked, samples still count as allocated, not in use, and are counted."""
+    with sampling(sample_bytes=1, max_tracked=50, max_samples=100_000) as sampler:
+        kept = keep_blocks(2000)
+        window = sampler.take_window()
+        stats = sampler.stats()
+    assert stats["tracked"] <= 50, stats
+    assert stats["untracked"] >= 1900, stats
+    rows = by_function(window, "keep_blocks")
+    # Every block is sampled (and, on 3.12+, the list's array each time it grows).
+    assert total(rows, 0) == pytest.approx(len(kept), rel=LIST_OVERHEAD)
+    assert total(rows, 2) <= 50
+
+
+def test_a_full_buffer_drops_and_counts_samples() -> None:
+    """Samples beyond max_samples between two drains are dropped and counted, not written."""
+    with sampling(sample_bytes=1, max_samples=64) as sampler:
+        churn(5000)
+        stats = sampler.stats()
+        window = sampler.take_window()
+    assert stats["dropped"] >= 4000, stats
+    assert sum(1 for _ in window.values) <= 64 + 8
+
+
+def test_the_samplers_own_allocations_are_not_sampled() -> None:
+    """drain() allocates with the guard up: those allocations re-enter the hook unsampled."""
+    with sampling(sample_bytes=1) as sampler:
+        churn(200)
+        sampler.drain()
+        sampler.drain()
+        window = sampler.take_window()
+        stats = sampler.stats()
+    assert stats["reentered"] > 0, stats
+    functions = {frame.function for key in window.values for frame in window.stack(key[0])}
+    assert "churn" in functions
+    assert not {"_drain_locked", "_drain_unsampled", "_intern", "take_window"} & functions
+
+
+def test_stop_restores_the_previous_allocators() -> None:
+    """start() wraps the OBJ (and MEM) allocator; stop() puts exactly the previous ones back."""
+    _available()
+    alloc = importlib.import_module("spanprof._profiling._samplers._alloc")
+    before = [alloc.allocator(domain) for domain in (0, 1, 2)]
+    with sampling():
+        during = [alloc.allocator(domain) for domain in (0, 1, 2)]
+        assert during[0] == before[0], "the RAW domain is never hooked"
+        assert during[2] != before[2]
+        if sys.version_info >= (3, 12):
+            assert during[1] != before[1]
+        else:
+            assert during[1] == before[1]
+    assert [alloc.allocator(domain) for domain in (0, 1, 2)] == before
+
+
+def test_a_hook_installed_over_ours_is_not_cut_off() -> None:
+    """With tracemalloc installed after it, stop() leaves its hooks idle in place instead."""
+    _available()
+    script = """
+import tracemalloc
+from spanprof._profiling._samplers._memory import MemorySampler
+from spanprof._profiling._samplers import _alloc
+before = _alloc.allocator(2)
+sampler = MemorySampler(sample_bytes=1024)
+sampler.start()
+tracemalloc.start()
+sampler.stop()
+blocks = [bytes(100) for _ in range(10000)]
+assert tracemalloc.get_traced_memory()[0] > 1_000_000
+stats = _alloc.stats()
+assert stats["stuck"] == 1 and stats["active"] == 0, stats
+tracemalloc.stop()
+del blocks
+try:
+    sampler.start()
+except RuntimeError as exc:
+    print("refused:", exc)
+print("ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "refused:" in result.stdout
+    assert "another allocator hook" in result.stdout
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_restart_after_stop() -> None:
+    """A stopped sampler starts again in the same process and samples again."""
+    with sampling(sample_bytes=4096) as sampler:
+        churn(1000)
+    sampler.start()
+    try:
+        churn(1000)
+        window = sampler.take_window()
+    finally:
+        sampler.stop()
+    assert total(by_function(window, "churn"), 1) > 0
+
+
+def test_free_threaded_builds_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a free-threaded CPython the sampler refuses to start and says why."""
+    monkeypatch.setattr(
+        sysconfig, "get_config_var", lambda name: 1 if name == "Py_GIL_DISABLED" else None
+    )
+    reason = memory_unavailable_reason()
+    assert reason is not None
+    assert "free-threaded" in reason
+    with pytest.raises(MemorySamplerUnavailable, match="free-threaded"):
+        MemorySampler().start()
+
+
+def test_bad_sample_size_is_a_value_error() -> None:
+    """alloc_sample_bytes outside [1, 2**40] is refused with the option's name."""
+    with pytest.raises(ValueError, match="alloc_sample_bytes"):
+        MemorySampler(sample_bytes=0)
+
+
+def test_drain_thread_keeps_the_buffer_from_filling() -> None:
+    """With its thread draining every 20 ms, a small buffer drops nothing over a long burst."""
+    with sampling(sample_bytes=16 * 1024, max_samples=4096, drain_interval=0.02) as sampler:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            churn(1000)
+            time.sleep(0.001)
+        stats = sampler.stats()
+    assert stats["drains"] >= 10, stats
+    assert stats["dropped"] == 0, stats
