@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -102,3 +103,10 @@ def tracer_provider(span_exporter: InMemorySpanExporter) -> Iterator[TracerProvi
 def labels_of(value: Any) -> dict[str, str]:
     """A plain dict of a label mapping (for readable assertion diffs)."""
     return dict(value)
+
+
+# The allocation sampler walks the interpreter's frames itself; it knows 3.10-3.13's layout.
+MEMORY_VERSIONS = pytest.mark.skipif(
+    sys.version_info >= (3, 14),
+    reason="allocation sampling supports CPython 3.10-3.13 (it refuses later ones, tested)",
+)

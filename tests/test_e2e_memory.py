@@ -14,11 +14,11 @@ import pytest
 from spanprof._local._receiver import PushReceiver, ReceivedSample
 from spanprof._profiling._samplers._memory import memory_unavailable_reason
 
-from .conftest import require
+from .conftest import MEMORY_VERSIONS, require
 from .e2e.memory_app import BLOCK, KEEP_EVERY, alloc_index
 from .e2e.server import free_port, serve, uvicorn_argv
 
-pytestmark = [pytest.mark.e2e, pytest.mark.engine]
+pytestmark = [pytest.mark.e2e, pytest.mark.engine, MEMORY_VERSIONS]
 
 CONCURRENCY = 16
 SAMPLE_BYTES = 64 * 1024

@@ -30,7 +30,7 @@ from spanprof._profiling._runtime import ProfilerRuntime
 from spanprof._profiling._samplers._memory import MemorySampler, memory_unavailable_reason
 from spanprof._profiling._window import MemoryWindow, StackTables, Window
 
-from .conftest import AGENT_ENV, require
+from .conftest import AGENT_ENV, MEMORY_VERSIONS, require
 from .e2e.markers import MARKERS
 from .e2e.server import ROOT
 from .recording_server import RecordingServer
@@ -147,6 +147,7 @@ def _push_memory(url: str, sample_bytes: int) -> list[bytes]:
 
 
 @pytest.mark.engine
+@MEMORY_VERSIONS
 def test_exact_backend_pushes_memory_labelled_by_span() -> None:
     """The memory series: allocations and in-use per span, kept blocks in use, freed ones not."""
     _available()
@@ -173,6 +174,7 @@ def test_exact_backend_pushes_memory_labelled_by_span() -> None:
 
 
 @pytest.mark.engine
+@MEMORY_VERSIONS
 def test_pushed_profiles_parse_with_go_tool_pprof(tmp_path: Path) -> None:
     """go tool pprof reads the memory and CPU profiles exactly as they went over the wire."""
     _available()
@@ -243,6 +245,7 @@ def test_bad_alloc_sample_bytes_argument_names_the_option() -> None:
 
 
 @pytest.mark.engine
+@MEMORY_VERSIONS
 def test_memory_false_pushes_no_memory_series() -> None:
     """memory=False: the exact backend pushes CPU profiles only and installs no hook."""
     require(LINUX, "the exact sampler needs Linux thread CPU clocks")
@@ -334,3 +337,14 @@ def test_memory_labels_are_the_allocating_greenlets() -> None:
         if stack and stack[0].function in ("keeps_memory", "frees_memory"):
             seen.setdefault(stack[0].function, set()).add(labels.get("span_id", ""))
     assert seen == {"keeps_memory": {KEPT["span_id"]}, "frees_memory": {FREED["span_id"]}}
+
+
+@pytest.mark.engine
+def test_allocation_sampling_runs_or_says_why_not() -> None:
+    """3.10-3.13 sample allocations; later versions refuse, naming the frame layout."""
+    reason = memory_unavailable_reason()
+    if sys.version_info >= (3, 14):
+        assert reason is not None
+        assert "frame layout" in reason, reason
+    else:
+        require(reason is None, reason or "")

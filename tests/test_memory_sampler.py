@@ -25,9 +25,9 @@ from spanprof._profiling._samplers._memory import (
 )
 from spanprof._profiling._window import MemoryWindow
 
-from .conftest import IN_CI, require
+from .conftest import IN_CI, MEMORY_VERSIONS, require
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, MEMORY_VERSIONS]
 
 # Every object below is a bytes object of this many bytes of payload; the allocator sees its
 # whole size (header included), which sys.getsizeof reports.
