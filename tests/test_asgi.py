@@ -482,3 +482,48 @@ def test_a_failure_to_label_never_fails_the_request(
     assert calls == ["/items/0", "/items/1"]
     assert len(_server_spans(span_exporter)) == 2
     assert len([r for r in caplog.records if "labelling a request" in r.getMessage()]) == 1
+
+
+def test_a_pipelined_request_started_from_the_previous_ones_send_gets_its_own_span(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """uvicorn's h11 protocol starts the next pipelined request's task from inside the previous
+    request's last send, so it inherits that request's context, ended server span included.
+    It must get a span of its own (10 pipelined requests gave 1 span), labels its own too."""
+    import contextvars
+    from collections.abc import MutableMapping
+
+    app = ProfilingMiddleware(build_app(), profiler=None, tracer_provider=tracer_provider)
+
+    def scope(path: str) -> dict[str, Any]:
+        return {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+            "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "headers": [(b"host", b"testserver")], "server": ("testserver", 80),
+            "client": ("127.0.0.1", 5000), "root_path": "",
+        }  # fmt: skip
+
+    async def receive() -> MutableMapping[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def main() -> list[dict[str, Any]]:
+        bodies: list[bytes] = []
+        inherited: list[contextvars.Context] = []
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                bodies.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    inherited.append(contextvars.copy_context())
+
+        await app(scope("/items/1"), receive, send)
+        loop = asyncio.get_running_loop()
+        second = inherited[0].run(loop.create_task, app(scope("/items/2"), receive, send))
+        await second
+        return [json.loads(body) for body in bodies if body]
+
+    first, second = asyncio.run(main())
+    spans = _server_spans(span_exporter)
+    assert len(spans) == 2, [s.name for s in spans]
+    ids = {format(span.context.span_id, "016x") for span in spans}
+    assert {first["labels"]["span_id"], second["labels"]["span_id"]} == ids

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, cast
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from opentelemetry.instrumentation.asgi import get_host_port_url_tuple as _untyped_url_tuple
@@ -16,7 +17,7 @@ from opentelemetry.util.http import ExcludeList
 
 from .._labels._backend import ProfilerBackend
 from .._labels._engine import apply, attach_loop, run_steps_hooked, steps_hooked
-from .._labels._labelset import LABELS, LabelSet
+from .._labels._labelset import EMPTY, LABELS, LabelSet
 from .._logging import log_once
 from .._signals._duration import DurationRecorder
 from .._types import ASGIApp, Message, Receive, Scope, Send
@@ -28,7 +29,13 @@ from ._routes import (
     span_name,
     starlette_route_template,
 )
-from ._spanlabels import annotate_span, is_labelled_span, is_server_span, request_labels
+from ._spanlabels import (
+    annotate_span,
+    is_ended_span,
+    is_labelled_span,
+    is_server_span,
+    request_labels,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -279,6 +286,12 @@ class ProfilingMiddleware:
             await run_steps_hooked(self(scope, receive, send))
             return
         current = trace.get_current_span()
+        if is_ended_span(current):
+            # A pipelined request's task is started (by uvicorn's h11 protocol) from inside the
+            # previous request's last send, and inherits its context: its ended span, its
+            # labels. The request starts afresh from an empty context instead.
+            await self._afresh(scope, receive, send)
+            return
         reused = is_server_span(current)
         if reused and is_labelled_span(current):
             # An outer spanprof layer owns this request (this app is mounted in its app): it
@@ -373,6 +386,17 @@ class ProfilingMiddleware:
                     span=request.span if request.span is not None else INVALID_SPAN,
                     breached=request.breached,
                 )
+
+    async def _afresh(self, scope: Scope, receive: Receive, send: Send) -> None:
+        otel_token = otel_context.attach(otel_context.Context())
+        labels_token = LABELS.set(EMPTY)
+        try:
+            apply(EMPTY)
+            await self(scope, receive, send)
+        finally:
+            LABELS.reset(labels_token)
+            otel_context.detach(otel_token)
+            apply(LABELS.get())
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         runtime = self._runtime

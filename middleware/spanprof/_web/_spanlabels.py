@@ -10,6 +10,7 @@ from ._routes import span_name_label
 __all__ = [
     "PROFILE_ID_ATTRIBUTE",
     "annotate_span",
+    "is_ended_span",
     "is_labelled_span",
     "is_server_span",
     "request_labels",
@@ -20,8 +21,23 @@ PROFILE_ID_ATTRIBUTE = "pyroscope.profile.id"
 
 
 def is_server_span(span: Span) -> bool:
-    """Whether ``span`` is a valid SERVER span another instrumentation already made current."""
-    return span.get_span_context().is_valid and getattr(span, "kind", None) is SpanKind.SERVER
+    """Whether ``span`` is a valid SERVER span another instrumentation already made current.
+
+    An ended span is not: uvicorn's h11 protocol starts a pipelined request's task from inside
+    the previous request's last ``send``, so the new task inherits that request's context and
+    its server span, which has ended by the time the new request runs (an SDK span then has an
+    ``end_time``).
+    """
+    return (
+        span.get_span_context().is_valid
+        and getattr(span, "kind", None) is SpanKind.SERVER
+        and getattr(span, "end_time", None) is None
+    )
+
+
+def is_ended_span(span: Span) -> bool:
+    """Whether ``span`` (an SDK span) has ended: it is left in a context only by mistake."""
+    return getattr(span, "end_time", None) is not None
 
 
 def is_labelled_span(span: Span) -> bool:
