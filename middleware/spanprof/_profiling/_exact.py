@@ -334,7 +334,7 @@ class ExactBackend(WithPyroscopeSettings):
                 )
                 # Memory profiles are a Pyroscope push of their own (OTLP carries CPU only).
                 if self.memory and "pyroscope" in self.exporters:
-                    self._start_memory(pid, sampler.signum)
+                    self._start_memory(pid)
             self._pid = pid
             if not self._atexit_registered:
                 # Like pyroscope-io: the last window is sent even without a lifespan shutdown.
@@ -355,7 +355,6 @@ class ExactBackend(WithPyroscopeSettings):
                     basic_auth_password=self.basic_auth_password,
                     # Within ProfilerRuntime's 5 s shutdown budget, even with the server away.
                     flush_timeout=2.0,
-                    block_signals=(sampler.signum,),
                 )
             )
         if self._otlp is not None:
@@ -365,18 +364,15 @@ class ExactBackend(WithPyroscopeSettings):
                     upload_interval=self.upload_interval,
                     attributes=sorted(self.tags.items()),
                     flush_timeout=2.0,
-                    block_signals=(sampler.signum,),
                 )
             )
         return exporters
 
-    def _start_memory(self, pid: int, signum: int) -> None:
+    def _start_memory(self, pid: int) -> None:
         # Allocation sampling with its own uploader: the memory series is a push of its own.
         sampler = self._memory_sampler
         if sampler is None:
-            sampler = self._memory_sampler = MemorySampler(
-                sample_bytes=self.alloc_sample_bytes, block_signals=(signum,)
-            )
+            sampler = self._memory_sampler = MemorySampler(sample_bytes=self.alloc_sample_bytes)
         try:
             sampler.start()
         except MemorySamplerUnavailable as exc:
@@ -398,7 +394,6 @@ class ExactBackend(WithPyroscopeSettings):
             basic_auth_username=self.basic_auth_username,
             basic_auth_password=self.basic_auth_password,
             flush_timeout=2.0,
-            block_signals=(signum,),
             encoder=lambda window: MemoryEncoder(window, period=period),
         )
         pusher.start(sampler.take_window)

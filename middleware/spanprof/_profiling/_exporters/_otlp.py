@@ -20,7 +20,6 @@ import gzip
 import http.client
 import os
 import random
-import signal
 import ssl
 import threading
 import time
@@ -39,7 +38,6 @@ from .._encoders._otlp import (
     encode_scope,
 )
 from .._encoders._protowire import ProtoDecodeError, as_bytes, as_int, as_str, iter_fields
-from .._samplers._signal import in_main_os_thread
 from .._window import Window
 from ._otlp_grpc import GrpcTransport, grpc_available
 
@@ -262,7 +260,6 @@ class OtlpExporter:
         backoff_initial, backoff_max: seconds before the first retry, and the cap of the
             doubling back-off (a ``Retry-After`` may ask for longer, up to ``retry_after_max``).
         flush_timeout: how long ``stop()`` may spend on the last window and pending retries.
-        block_signals: signals this thread blocks, so the sampler's timer never interrupts it.
     """
 
     def __init__(
@@ -277,7 +274,6 @@ class OtlpExporter:
         backoff_max: float = 30.0,
         retry_after_max: float = 300.0,
         flush_timeout: float = 5.0,
-        block_signals: Iterable[int] = (),
     ) -> None:
         self.settings = settings
         self._grpc = GrpcTransport(settings) if settings.protocol == "grpc" else None
@@ -298,7 +294,6 @@ class OtlpExporter:
         self.backoff_max = backoff_max
         self.retry_after_max = retry_after_max
         self.flush_timeout = flush_timeout
-        self._block_signals = set(block_signals)
         self._headers = {
             "Content-Type": OTLP_CONTENT_TYPE,
             "User-Agent": f"spanprof/{__version__}",
@@ -375,10 +370,6 @@ class OtlpExporter:
     # --- the export thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        # Under gevent this "thread" is a greenlet of the main thread, where the sampler's
-        # signal must stay deliverable.
-        if self._block_signals and not in_main_os_thread():
-            signal.pthread_sigmask(signal.SIG_BLOCK, self._block_signals)
         next_upload = time.monotonic() + self.upload_interval
         while True:
             wake_at = next_upload

@@ -27,7 +27,6 @@ import gzip
 import http.client
 import io
 import random
-import signal
 import socket
 import threading
 import time
@@ -41,7 +40,6 @@ from ..._logging import log_once
 from ..._version import __version__
 from .._encoders._push import PUSH_CONTENT_TYPE, PUSH_PATH, encode_push_request
 from .._encoders._window import WindowEncoder
-from .._samplers._signal import in_main_os_thread
 from .._window import Window
 
 __all__ = ["Pusher", "StepEncoder"]
@@ -87,7 +85,6 @@ class Pusher:
         backoff_initial, backoff_max: seconds before the first retry, and the cap of the
             doubling back-off.
         flush_timeout: how long ``stop()`` may spend on the last window and pending retries.
-        block_signals: signals this thread blocks, so the sampler's timer never interrupts it.
         encoder: makes the encoder of a window (default: CPU profiles, ``WindowEncoder``); the
             memory profiles' pusher passes ``MemoryEncoder``.
     """
@@ -108,7 +105,6 @@ class Pusher:
         backoff_initial: float = 1.0,
         backoff_max: float = 30.0,
         flush_timeout: float = 5.0,
-        block_signals: Iterable[int] = (),
         encoder: Callable[[Window], StepEncoder] | None = None,
     ) -> None:
         # The same checks as the settings': nothing here may fail later, in the upload thread.
@@ -133,7 +129,6 @@ class Pusher:
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.flush_timeout = flush_timeout
-        self._block_signals = set(block_signals)
         self._encoder = encoder
         self._headers = {
             "Content-Type": PUSH_CONTENT_TYPE,
@@ -211,10 +206,6 @@ class Pusher:
     # --- the upload thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        # Under gevent this "thread" is a greenlet of the main thread, where the sampler's
-        # signal must stay deliverable.
-        if self._block_signals and not in_main_os_thread():
-            signal.pthread_sigmask(signal.SIG_BLOCK, self._block_signals)
         next_upload = time.monotonic() + self.upload_interval
         while True:
             wake_at = next_upload

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import sysconfig
 import threading
 import time
-from collections.abc import Iterable
 from types import CodeType
 from typing import Any
 
@@ -88,7 +86,6 @@ class MemorySampler:
         drain_interval: seconds between two drains of the C buffers.
         mem_domain: also sample ``PyMem_Malloc`` (lists' and dicts' arrays; on 3.12+ only).
         seed: the sampler's random seed (0: from the clock).
-        block_signals: signals the drain thread blocks (the CPU sampler's timer).
     """
 
     def __init__(
@@ -101,7 +98,6 @@ class MemorySampler:
         drain_interval: float = 0.25,
         mem_domain: bool = True,
         seed: int = 0,
-        block_signals: Iterable[int] = (),
     ) -> None:
         if not 1 <= sample_bytes <= 1 << 40:
             raise ValueError(f"alloc_sample_bytes: expected 1 to 2**40 bytes, got {sample_bytes}")
@@ -112,7 +108,6 @@ class MemorySampler:
         self.drain_interval = drain_interval
         self.mem_domain = mem_domain
         self.seed = seed
-        self._block_signals = set(block_signals)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -208,8 +203,6 @@ class MemorySampler:
         # Under gevent this "thread" is a greenlet of the main OS thread, which runs the
         # application (and the CPU sampler's signal handler): leave that thread alone.
         if not in_main_os_thread():
-            if self._block_signals:
-                signal.pthread_sigmask(signal.SIG_BLOCK, self._block_signals)
             # What this thread allocates is the sampler's own work, nobody's request.
             _ignore_thread(True)
         while not self._stop.wait(self.drain_interval):
