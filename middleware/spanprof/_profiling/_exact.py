@@ -15,6 +15,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from .._config import parse_bool, parse_int
+from .._labels._backend import SpanUsage
 from .._labels._labelset import LabelSet
 from .._logging import logger
 from ._encoders._memory import MemoryEncoder, memory_series_labels
@@ -22,6 +23,7 @@ from ._encoders._window import series_labels
 from ._exporters._fanout import WindowExporter, WindowFanout, stop_all
 from ._exporters._otlp import OtlpExporter, OtlpSettings
 from ._exporters._pusher import Pusher
+from ._hold import SloHold
 from ._pyroscope import PyroscopeBackend
 from ._samplers._memory import DEFAULT_SAMPLE_BYTES, MemorySampler, MemorySamplerUnavailable
 from ._samplers._signal import CLOCKS, Sampler, SamplerUnavailable, os_thread_ident
@@ -151,6 +153,7 @@ class ExactBackend(WithPyroscopeSettings):
         self._idle_sampler: Sampler | None = None
         self._idle_pid: int | None = None
         self._exporters: list[WindowExporter] = []
+        self._hold: SloHold | None = None
         self._fallback: PyroscopeBackend | None = None
         self._sink = _ignore
         # The thread whose labels the sampler reads itself (0: none, e.g. in fallback mode).
@@ -233,14 +236,17 @@ class ExactBackend(WithPyroscopeSettings):
 
     def stats(self) -> dict[str, float]:
         """Sampler and uploader counters: ticks, stall percentiles (µs), uploads, drops..."""
-        sampler, exporters = self._sampler, self._exporters
-        if sampler is None or not exporters or self._pid != os.getpid():
+        sampler, exporters, hold = self._sampler, self._exporters, self._hold
+        if sampler is None or hold is None or not exporters or self._pid != os.getpid():
             return dict(self._last_stats)
-        return {**self._stats_of(sampler, exporters), **self._memory_stats()}
+        return {**self._stats_of(sampler, hold, exporters), **self._memory_stats()}
 
     @staticmethod
-    def _stats_of(sampler: Sampler, exporters: list[WindowExporter]) -> dict[str, float]:
+    def _stats_of(
+        sampler: Sampler, hold: SloHold, exporters: list[WindowExporter]
+    ) -> dict[str, float]:
         stats = sampler.stats()
+        stats.update(hold.stats())
         for exporter in exporters:
             stats.update(exporter.stats())
         return stats
@@ -266,7 +272,7 @@ class ExactBackend(WithPyroscopeSettings):
             if self._pid == pid:
                 return
             # After a fork the parent's objects are here, but not its threads or timer.
-            self._sampler = self._fallback = None
+            self._sampler = self._fallback = self._hold = None
             self._exporters = []
             self._memory_pusher = None
             self._sink = _ignore
@@ -279,7 +285,9 @@ class ExactBackend(WithPyroscopeSettings):
             # Everything that can fail comes before the timer is armed, and whatever fails after
             # is undone: a failed start leaves no timer, no handler and no thread behind.
             exporters = self._new_exporters(sampler)
-            fanout = WindowFanout(sampler.take_window, len(exporters))
+            # Between sampler and exporters: samples wait for their request's SLO verdict.
+            hold = SloHold(sampler.take_window, max_windows=2)
+            fanout = WindowFanout(hold.take_window, len(exporters))
             for i, exporter in enumerate(exporters):
                 exporter.start(fanout.collector(i))
             try:
@@ -299,7 +307,9 @@ class ExactBackend(WithPyroscopeSettings):
                     "spanprof: profiling with pyroscope-io and the label engine (pid %d): the "
                     "exact sampler cannot run here, %s. Its samples may carry the labels of "
                     "whatever ran ~0.2 ms after the stack was read; serve requests from an event "
-                    "loop, gevent or a sync worker in the main thread to profile them exactly",
+                    "loop, gevent or a sync worker in the main thread to profile them exactly. "
+                    "Samples carry no slo label (breached/ok) and spans no spanprof.cpu_time_s: "
+                    "both need the exact sampler",
                     pid,
                     exc,
                 )
@@ -320,7 +330,7 @@ class ExactBackend(WithPyroscopeSettings):
                 sampler.stop()
                 raise
             else:
-                self._sampler, self._exporters = sampler, exporters
+                self._sampler, self._exporters, self._hold = sampler, exporters, hold
                 self._sink = sampler.set_thread_labels
                 self._ident = sampler.ident
                 self._context_thread = self._ident()
@@ -419,11 +429,13 @@ class ExactBackend(WithPyroscopeSettings):
             self._sink = _ignore
             self._context_thread = 0
             sampler, exporters, fallback = self._sampler, self._exporters, self._fallback
-            memory_pusher = self._memory_pusher
-            self._sampler = self._fallback = None
+            hold, memory_pusher = self._hold, self._memory_pusher
+            self._sampler = self._fallback = self._hold = None
             self._exporters = []
             if sampler is not None:
                 sampler.stop()
+            if hold is not None:
+                hold.close()  # the last upload carries what waits for a verdict too
             flushing: threading.Thread | None = None
             if memory_pusher is not None:
                 if self._memory_sampler is not None:
@@ -434,11 +446,25 @@ class ExactBackend(WithPyroscopeSettings):
             stop_all(exporters)
             if flushing is not None:
                 flushing.join()
-            if sampler is not None and exporters:
-                self._last_stats = {**self._stats_of(sampler, exporters), **self._memory_stats()}
+            if sampler is not None and hold is not None and exporters:
+                self._last_stats = {
+                    **self._stats_of(sampler, hold, exporters),
+                    **self._memory_stats(),
+                }
             self._memory_pusher = None
             if fallback is not None:
                 fallback.shutdown()
+
+    def end_span(self, span_id: str, breached: bool | None) -> SpanUsage | None:
+        """A request's span ends: label its samples with the verdict; the CPU they hold.
+
+        ``None`` when not sampling exactly (the pyroscope-io fallback has no hold).
+        """
+        sampler, hold = self._sampler, self._hold
+        if sampler is None or hold is None:
+            return None
+        hold.end_span(span_id, breached)
+        return SpanUsage(sampler.span_cpu_ns(span_id))
 
     def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
         """The calling thread switched labels (thread-pool job start or end, mostly)."""

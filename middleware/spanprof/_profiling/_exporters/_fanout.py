@@ -33,7 +33,8 @@ def _merge(first: Window, second: Window) -> Window:
     values = dict(first.values)
     for key, weight in second.values.items():
         values[key] = values.get(key, 0) + weight
-    return Window(first.start_ns, first.tables, values, max(first.end_ns, second.end_ns))
+    foreign = {**first.foreign, **second.foreign}  # their ids are unique in the process
+    return Window(first.start_ns, first.tables, values, max(first.end_ns, second.end_ns), foreign)
 
 
 class WindowFanout:
