@@ -20,6 +20,7 @@ from typing import Any
 
 from .._profiling._encoders._pprof import ProfileBuilder
 from .._profiling._window import Frame
+from ._compare import SloComparison
 from ._receiver import ReceivedPush
 
 __all__ = ["SampleStore", "SpanProfile"]
@@ -108,6 +109,8 @@ class SampleStore:
             default recursion limit lets a program reach.
         max_bytes: estimated memory of everything kept; past it the least recently updated
             span ids are dropped (counted as ``evicted_spans`` in ``status()``).
+        comparison: also fed every request sample with its ``span_name`` and ``slo`` labels
+            (the breach-vs-ok comparison per route), with its own bound.
     """
 
     def __init__(
@@ -117,12 +120,14 @@ class SampleStore:
         max_stacks_per_span: int = 2000,
         max_depth: int = 2048,
         max_bytes: int = 64 * 1024 * 1024,
+        comparison: SloComparison | None = None,
     ) -> None:
         if max_depth < 3:
             raise ValueError(
                 f"max_depth: expected at least 3 (leaf, marker, root), got {max_depth}"
             )
         self._lock = threading.Lock()
+        self._comparison = comparison
         self._spans: OrderedDict[str, SpanProfile] = OrderedDict()
         self._max_spans = max_spans
         self._max_stacks = max_stacks_per_span
@@ -176,7 +181,11 @@ class SampleStore:
         if len(set(span_ids)) > 1:
             totals.double_labelled_ns += value
         label_map = dict(labels)
-        kept: tuple[Frame, ...] | None = None
+        kept = self._keep(stack)
+        comparison = self._comparison
+        span_name = label_map.get("span_name")
+        if comparison is not None and span_name:
+            comparison.add(kept, value, span_name[:_MAX_NAME], label_map.get("slo"))
         for span_id in dict.fromkeys(span_ids):
             profile = self._spans.get(span_id)
             if profile is None:
@@ -194,8 +203,6 @@ class SampleStore:
                 self._spans.move_to_end(span_id)
             profile.last_seen = push.received_at
             profile.total_ns += value
-            if kept is None:
-                kept = self._keep(stack)
             # Each lookup hashes the whole stack again (tuples do not cache their hash).
             stacks = profile.stacks
             previous = stacks.get(kept)

@@ -354,6 +354,69 @@
     }
   }
 
+  // -- breach vs ok, per route ------------------------------------------------------------------
+
+  function us(value) {
+    return (value >= 1000 ? (value / 1000).toFixed(2) + " ms" : value.toFixed(0) + " µs");
+  }
+
+  function renderCompareRoutes(listing) {
+    const select = $("compare-route");
+    const routes = listing.routes.map((r) => r.route);
+    $("compare-empty").hidden = routes.length > 0;
+    const current = Array.from(select.options).map((o) => o.value);
+    if (current.join("\n") !== routes.join("\n")) {
+      const chosen = select.value;
+      select.textContent = "";
+      for (const route of routes) select.appendChild(el("option", { value: route, text: route }));
+      if (routes.includes(chosen)) select.value = chosen;
+    }
+    return select.value;
+  }
+
+  async function showCompare(route) {
+    if (!route) return;
+    let data;
+    try {
+      data = await getJSON("/api/compare?route=" + encodeURIComponent(route));
+    } catch (err) {
+      $("compare-counts").textContent = String(err);
+      return;
+    }
+    $("compare-counts").textContent =
+      data.requests.breached + " breaching requests · " + data.requests.ok + " within SLO";
+    const body = $("compare-functions").querySelector("tbody");
+    body.textContent = "";
+    for (const f of data.functions.slice(0, 15)) {
+      body.appendChild(el("tr", { class: f.extra_us > 0 ? "worse" : "" }, [
+        el("td", { text: f.function, title: f.file }),
+        el("td", { text: (f.extra_us > 0 ? "+" : "") + us(f.extra_us) }),
+        el("td", { text: us(f.breached_us) }),
+        el("td", { text: us(f.ok_us) }),
+      ]));
+    }
+    renderDifferential(data.flamegraph);
+  }
+
+  function renderDifferential(root) {
+    const container = $("compare-flamegraph");
+    container.textContent = "";
+    if (!root.value) return;
+    const chart = flamegraph.default()
+      .width(Math.max(container.clientWidth, 300))
+      .cellHeight(17)
+      .inverted(true)
+      .minFrameSize(2)
+      .transitionDuration(0)
+      .title("")
+      .setColorMapper(flamegraph.colorMapper.differentialColorMapper)
+      .selfValue(false)
+      .label((d) => d.data.name + (d.data.file ? "  " + d.data.file : "") + "\n" +
+        us(d.data.value / 1e3) + " per breaching request, " + us(d.data.ok_value / 1e3) +
+        " within SLO (" + (d.data.delta >= 0 ? "+" : "") + us(d.data.delta / 1e3) + ")");
+    d3.select(container).datum(root).call(chart);
+  }
+
   // -- polling --------------------------------------------------------------------------------
 
   async function refresh() {
@@ -367,6 +430,8 @@
       renderStatus(status);
       renderBreaches(breaches.breaches);
       renderLatency(latency);
+      const route = renderCompareRoutes(await getJSON("/api/compare"));
+      await showCompare(route);
     } catch (err) {
       $("status").textContent = "cannot reach the local mode server: " + err;
     }
@@ -381,6 +446,7 @@
     }
   }
 
+  $("compare-route").addEventListener("change", (event) => showCompare(event.target.value));
   refresh().then(fromHash);
   setInterval(refresh, REFRESH_MS);
 })();
