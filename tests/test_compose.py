@@ -526,6 +526,10 @@ def dashboard_problems(stack: Stack) -> list[str]:
     ]
     if not flames:
         problems.append("no flame graph panel filtered by span_name")
+    selectors = " ".join(t.get("labelSelector", "") for p in flames for t in _targets(p))
+    for side in ("breached", "ok"):
+        if f'slo="{side}"' not in selectors:
+            problems.append(f"no span_name flame graph of the slo={side} requests to compare")
     return problems
 
 
@@ -828,6 +832,12 @@ def _run_as_root(stack: Stack) -> None:
             "dashboard",
             "unknown datasource",
             id="dashboard-unknown-uid",
+        ),
+        pytest.param(
+            _set("dashboard.panels.9.targets.0.labelSelector", '{span_name="$span_name"}'),
+            "dashboard",
+            "slo=ok",
+            id="no-breach-comparison",
         ),
         pytest.param(
             _set("dashboard.panels.1.targets.0.exemplar", False),
