@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 
 from .._labels._labelset import LabelSet
@@ -39,10 +40,11 @@ _Key = tuple[int, LabelSet]
 class _Held:
     """The samples of one in-flight span, from the window (and tables) they were taken in."""
 
-    __slots__ = ("age", "tables", "values")
+    __slots__ = ("age", "born", "tables", "values")
 
-    def __init__(self, tables: StackTables) -> None:
+    def __init__(self, tables: StackTables, born: int) -> None:
         self.age = 0
+        self.born = born
         self.tables = tables
         self.values: dict[_Key, int] = {}
 
@@ -83,6 +85,8 @@ class SloHold:
         self._held_keys = 0
         self._lock = threading.Lock()
         self._closing = False
+        self._overflow_spans = 0
+        self._takes = 0
         self.labelled_ns = 0
         self.released_ns = 0
         self.expired_ns = 0
@@ -106,6 +110,7 @@ class SloHold:
         """The sampler's next window, its ended spans' samples labelled, in-flight ones held."""
         with self._lock:  # exporters may ask from their own threads
             window = self._take()
+            self._takes += 1
             out = Window(window.start_ns, window.tables, end_ns=window.end_ns)
             recent, older = self._recent, self._older
             # Rotate first: a verdict written from now on lands in what will be looked up next.
@@ -134,14 +139,42 @@ class SloHold:
                 key = (sid, labels)
                 values[key] = values.get(key, 0) + weight
 
+            # This upload's samples first: their keys are distinct, so each is one dict store.
+            # A request keeps one label set object: decide once per object, not per sample.
+            decisions: dict[int, LabelSet | _Held] = {}
+            held_map = self._held
+            for count, (key, weight) in enumerate(window.values.items()):
+                labels = key[1]
+                decision = decisions.get(id(labels))
+                if decision is None:
+                    decision = decisions[id(labels)] = self._decide(
+                        labels, verdict, labelled, window.tables, max_age
+                    )
+                if isinstance(decision, LabelSet):
+                    if decision is not labels:
+                        self.labelled_ns += weight
+                        key = (key[0], decision)
+                    values[key] = weight
+                elif key in decision.values:  # held from an earlier upload too
+                    decision.values[key] += weight
+                elif self._held_keys < self.max_held:
+                    self._held_keys += 1
+                    decision.values[key] = weight
+                else:  # full: let it go unlabelled
+                    values[key] = weight
+                    self.overflow_ns += weight
+                if count & 4095 == 4095:
+                    time.sleep(0)  # a big window: let the application have the GIL
             # Samples held from earlier uploads: released once their span ended, or too old.
-            for span_id in list(self._held):
-                held = self._held[span_id]
+            for span_id in list(held_map):
+                held = held_map[span_id]
+                if held.born == self._takes:
+                    continue  # held just now: it waits from the next upload on
                 ended, breached = verdict(span_id)
                 held.age += 1
                 if not ended and held.age < max_age:
                     continue
-                del self._held[span_id]
+                del held_map[span_id]
                 self._held_keys -= len(held.values)
                 for key, weight in held.values.items():
                     if held.tables is not window.tables:
@@ -151,29 +184,38 @@ class SloHold:
                         self.released_ns += weight
                     else:
                         self.expired_ns += weight
-            # This upload's samples.
-            for key, weight in window.values.items():
-                span_id = key[1].get("span_id")
-                if span_id is None:
-                    values[key] = values.get(key, 0) + weight
-                    continue
-                ended, breached = verdict(span_id)
-                if ended or not max_age:
-                    put(key, weight, ended, breached)
-                    continue
-                pending = self._held.get(span_id)
-                if pending is None or pending.tables is not window.tables:
-                    if self._held_keys >= self.max_held or pending is not None:
-                        # Full, or held across a table swap (keep one table per span): let it go.
-                        values[key] = values.get(key, 0) + weight
-                        self.overflow_ns += weight
-                        continue
-                    pending = self._held[span_id] = _Held(window.tables)
-                if key not in pending.values:
-                    self._held_keys += 1
-                pending.values[key] = pending.values.get(key, 0) + weight
             self.held_peak = max(self.held_peak, self._held_keys)
             return out
+
+    def _decide(
+        self,
+        labels: LabelSet,
+        verdict: Callable[[str], tuple[bool, bool | None]],
+        labelled: dict[tuple[LabelSet, bool], LabelSet],
+        tables: StackTables,
+        max_age: int,
+    ) -> LabelSet | _Held:
+        """Where a label set's samples go: these labels, the labelled ones, or a hold."""
+        span_id = labels.get("span_id")
+        if span_id is None:
+            return labels
+        ended, breached = verdict(span_id)
+        if ended or not max_age:
+            if breached is None:
+                return labels
+            cached = labelled.get((labels, breached))
+            if cached is None:
+                cached = labels.merged({SLO_LABEL: BREACHED if breached else OK})
+                labelled[(labels, breached)] = cached
+            return cached
+        pending = self._held.get(span_id)
+        if pending is None:
+            pending = self._held[span_id] = _Held(tables, self._takes)
+        elif pending.tables is not tables:
+            # Held across a table swap (one table per span): this upload's samples go now.
+            self._overflow_spans += 1
+            return labels
+        return pending
 
     def close(self) -> None:
         """From now on every window carries everything: the exporters' last flush follows."""
