@@ -1,0 +1,160 @@
+"""Memory profiles over OTLP: the encoder, decoded with opentelemetry-proto's own classes."""
+
+from __future__ import annotations
+
+import time
+
+from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 import (
+    ExportProfilesServiceRequest,
+)
+
+from spanprof._labels._labelset import EMPTY
+from spanprof._profiling._encoders._otlp import encode_resource, encode_scope
+from spanprof._profiling._encoders._otlp_memory import OtlpMemoryEncoder
+from spanprof._profiling._window import MemoryWindow, StackTables, Window
+
+from .otlp_profiles import (
+    MEMORY_PROFILE_TYPES,
+    flatten,
+    memory_samples,
+    model_violations,
+    profile_type,
+    resource_attributes,
+)
+from .test_otlp import RESOURCE, _deep_stacks, _labels, _leaf, _root, _timed_steps
+
+PERIOD = 524288
+
+
+def _stack(tables: StackTables) -> int:
+    return tables.stack_of(
+        tuple(tables.raw_frame(f.__code__, 0, f.__code__.co_firstlineno) for f in (_leaf, _root))
+    )
+
+
+def _memory_window() -> MemoryWindow:
+    """Two requests' allocations (one still partly in use), an unlabelled one, and memory a
+    request allocated in an earlier window that is still in use."""
+    tables = StackTables()
+    sid = _stack(tables)
+    first, second = (sid, _labels(0)), (sid, _labels(1, tenant="acme"))
+    unlabelled, earlier = (sid, EMPTY), (sid, _labels(2))
+    return MemoryWindow(
+        1_000,
+        tables,
+        values={first: 40_960, second: 8_192, unlabelled: 512},
+        end_ns=1_000 + 10_000_000_000,
+        alloc_objects={first: 40, second: 8, unlabelled: 1},
+        inuse={first: (10, 10_240), earlier: (3, 3_072)},
+    )
+
+
+def _encode(window: Window) -> ExportProfilesServiceRequest:
+    encoder = OtlpMemoryEncoder(
+        window,
+        period=PERIOD,
+        resource=encode_resource(RESOURCE),
+        scope=encode_scope(),
+        attributes=[("region", "eu")],
+    )
+    while not encoder.step():
+        pass
+    request = ExportProfilesServiceRequest()
+    request.ParseFromString(encoder.request)
+    return request
+
+
+def test_a_memory_window_is_four_profiles_sharing_one_dictionary() -> None:
+    """alloc_objects, alloc_space, inuse_objects, inuse_space: period type space/bytes with the
+    sample size, one dictionary (one stack, one link per span), the model's MUSTs kept."""
+    window = _memory_window()
+    request = _encode(window)
+    assert model_violations(request) == []
+    assert resource_attributes(request) == RESOURCE
+    (rp,) = request.resource_profiles
+    (sp,) = rp.scope_profiles
+    assert sp.scope.name == "spanprof"
+    assert tuple(profile_type(request, p) for p in sp.profiles) == MEMORY_PROFILE_TYPES
+    assert {p.period for p in sp.profiles} == {PERIOD}
+    assert {(p.time_unix_nano, p.duration_nano) for p in sp.profiles} == {(1_000, 10_000_000_000)}
+    ids = [p.profile_id for p in sp.profiles]
+    assert all(len(i) == 16 for i in ids)
+    assert len(set(ids)) == 4
+    strings = request.dictionary.string_table
+    for profile in sp.profiles:
+        assert [
+            strings[request.dictionary.attribute_table[a].key_strindex]
+            for a in profile.attribute_indices
+        ] == ["region"]
+        # One value per sample: the profile's one sample type.
+        assert all(len(s.values) == 1 for s in profile.samples)
+    # Shared, not repeated per profile: the zero entries, one stack, one link per span.
+    assert len(request.dictionary.stack_table) == 2
+    assert len(request.dictionary.link_table) == 4
+    for link in request.dictionary.link_table[1:]:
+        assert (len(link.trace_id), len(link.span_id)) == (16, 8)
+    # A profile leaves out the samples whose value in it is zero.
+    assert [len(p.samples) for p in sp.profiles] == [3, 3, 2, 2]
+    rows = {tuple(sorted(sample.labels)): sample.values for sample in memory_samples(request)}
+    assert rows == {
+        tuple(sorted(_labels(0).items_tuple)): (40, 40_960, 10, 10_240),
+        tuple(sorted(_labels(1, tenant="acme").items_tuple)): (8, 8_192, 0, 0),
+        (): (1, 512, 0, 0),
+        tuple(sorted(_labels(2).items_tuple)): (0, 0, 3, 3_072),
+    }
+    assert {f.function for s in flatten(request) for f in s.stack} == {"_leaf", "_root"}
+
+
+def test_memory_values_are_not_scaled_by_the_period() -> None:
+    """Values are objects and bytes already (estimates), not counts of sampling periods."""
+    request = _encode(_memory_window())
+    alloc_space = [
+        s.value
+        for s in flatten(request)
+        if s.series_label("profile_type") == MEMORY_PROFILE_TYPES[1]
+    ]
+    assert sorted(alloc_space) == [512, 8_192, 40_960]
+
+
+def test_a_cpu_window_gives_four_empty_memory_profiles() -> None:
+    """A plain Window has no allocation or in-use values: the profiles are there, empty."""
+    tables = StackTables()
+    window = Window(0, tables, {(_stack(tables), _labels(0)): 5}, end_ns=1)
+    request = _encode(window)
+    assert model_violations(request) == []
+    profiles = request.resource_profiles[0].scope_profiles[0].profiles
+    assert [len(p.samples) for p in profiles] == [0, 0, 0, 0]
+
+
+def test_memory_encoding_steps_stay_short_and_lose_nothing() -> None:
+    """4,000 distinct deep keys (half still in use) encode in steps of < 2 ms CPU, intact."""
+    tables = StackTables()
+    window = MemoryWindow(time.time_ns(), tables)
+    for n, sid in enumerate(_deep_stacks(tables, 4000)):
+        key = (sid, _labels(n))
+        window.values[key] = 1024 * (n + 1)
+        window.alloc_objects[key] = n + 1
+        if n % 2:
+            window.inuse[key] = (1, 512 * (n + 1))
+    window.end_ns = window.start_ns + 10_000_000_000
+    encoder = OtlpMemoryEncoder(
+        window, period=PERIOD, resource=encode_resource(RESOURCE), scope=encode_scope()
+    )
+    longest, steps = _timed_steps(encoder)
+    assert longest < 2_000_000
+    assert steps > 2
+    request = ExportProfilesServiceRequest.FromString(encoder.request)
+    assert model_violations(request) == []
+    samples = memory_samples(request)
+    assert len(samples) == 4000
+    totals = [sum(s.values[i] for s in samples) for i in range(4)]
+    assert totals == [
+        sum(range(1, 4001)),
+        1024 * sum(range(1, 4001)),
+        2000,
+        512 * sum(range(2, 4001, 2)),
+    ]
+    assert all(len(s.stack) == 48 for s in samples)
+    assert {s.label_values("span_id")[0] for s in samples} == {
+        _labels(n)["span_id"] for n in range(4000)
+    }
