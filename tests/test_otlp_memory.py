@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 import (
@@ -11,17 +12,19 @@ from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 i
 from spanprof._labels._labelset import EMPTY
 from spanprof._profiling._encoders._otlp import encode_resource, encode_scope
 from spanprof._profiling._encoders._otlp_memory import OtlpMemoryEncoder
+from spanprof._profiling._exporters._fanout import WindowFanout
 from spanprof._profiling._window import MemoryWindow, StackTables, Window
 
 from .otlp_profiles import (
     MEMORY_PROFILE_TYPES,
+    OtlpProfilesReceiver,
     flatten,
     memory_samples,
     model_violations,
     profile_type,
     resource_attributes,
 )
-from .test_otlp import RESOURCE, _deep_stacks, _labels, _leaf, _root, _timed_steps
+from .test_otlp import RESOURCE, _deep_stacks, _exporter, _labels, _leaf, _root, _timed_steps
 
 PERIOD = 524288
 
@@ -158,3 +161,69 @@ def test_memory_encoding_steps_stay_short_and_lose_nothing() -> None:
     assert {s.label_values("span_id")[0] for s in samples} == {
         _labels(n)["span_id"] for n in range(4000)
     }
+
+
+# --- the exporter and the fan-out ----------------------------------------------------------------
+
+
+def test_the_exporter_sends_memory_windows_even_with_only_memory_in_use() -> None:
+    """With the memory encoder, each window is one request of four profiles; a window without
+    new allocations still carries what is in use."""
+    full = _memory_window()
+    inuse_only = MemoryWindow(
+        full.end_ns, full.tables, end_ns=full.end_ns + 1_000, inuse=dict(full.inuse)
+    )
+    empty = MemoryWindow(inuse_only.end_ns, full.tables, end_ns=inuse_only.end_ns + 1)
+    windows = iter([full, inuse_only, empty])
+    with OtlpProfilesReceiver() as receiver:
+        exporter = _exporter(
+            receiver.url,
+            upload_interval=0.05,
+            encoder=functools.partial(OtlpMemoryEncoder, period=PERIOD),
+        )
+        exporter.start(lambda: next(windows, empty))
+        deadline = time.monotonic() + 10
+        while len(receiver.received) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        exporter.stop()
+        requests = receiver.requests()
+        assert receiver.errors == []
+    assert len(requests) == 2
+    assert exporter.stats()["otlp_uploads"] == 2
+    assert receiver.samples() == []  # none of it is CPU
+    later = {tuple(sorted(s.labels)): s.values for s in memory_samples(requests[1])}
+    assert later == {
+        tuple(sorted(_labels(0).items_tuple)): (0, 0, 10, 10_240),
+        tuple(sorted(_labels(2).items_tuple)): (0, 0, 3, 3_072),
+    }
+
+
+def test_fanout_merges_memory_windows_adding_allocations_keeping_the_newest_in_use() -> None:
+    """A stuck exporter's memory backlog: allocated objects and bytes add up, in-use memory is
+    the newest window's snapshot (adding snapshots would count live blocks twice)."""
+    tables = StackTables()
+    sid = _stack(tables)
+    key = (sid, _labels(0))
+    taken = [
+        MemoryWindow(
+            n,
+            tables,
+            values={key: 1_000},
+            end_ns=n + 1,
+            alloc_objects={key: 1},
+            inuse={key: (n + 1, 100 * (n + 1))},
+        )
+        for n in range(3)
+    ]
+    fanout = WindowFanout(iter(taken).__next__, 2)
+    quick, stuck = fanout.collector(0), fanout.collector(1)
+    for _ in taken:
+        quick()
+    merged = stuck()
+    assert isinstance(merged, MemoryWindow)
+    assert (merged.values, merged.alloc_objects, merged.inuse) == (
+        {key: 3_000},
+        {key: 3},
+        {key: (3, 300)},
+    )
+    assert (merged.start_ns, merged.end_ns) == (0, 3)
