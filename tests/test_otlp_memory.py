@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
+import pytest
 from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 import (
     ExportProfilesServiceRequest,
 )
 
 from spanprof._labels._labelset import EMPTY
+from spanprof._local._receiver import PushReceiver, ReceivedSample
 from spanprof._profiling._encoders._otlp import encode_resource, encode_scope
 from spanprof._profiling._encoders._otlp_memory import OtlpMemoryEncoder
 from spanprof._profiling._exporters._fanout import WindowFanout
 from spanprof._profiling._window import MemoryWindow, StackTables, Window
 
+from .conftest import MEMORY_VERSIONS
 from .otlp_profiles import (
     MEMORY_PROFILE_TYPES,
     OtlpProfilesReceiver,
@@ -24,6 +28,7 @@ from .otlp_profiles import (
     profile_type,
     resource_attributes,
 )
+from .test_memory_push import FREED, KEPT, _available, _push_memory, check_kept_and_freed
 from .test_otlp import RESOURCE, _deep_stacks, _exporter, _labels, _leaf, _root, _timed_steps
 
 PERIOD = 524288
@@ -227,3 +232,69 @@ def test_fanout_merges_memory_windows_adding_allocations_keeping_the_newest_in_u
         {key: (3, 300)},
     )
     assert (merged.start_ns, merged.end_ns) == (0, 3)
+
+
+# --- the exact backend ---------------------------------------------------------------------------
+
+
+@pytest.mark.engine
+@MEMORY_VERSIONS
+def test_exact_backend_exports_memory_over_otlp_linked_to_the_allocating_span(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """exporters="otlp": allocations and in-use memory per span as OTLP memory profiles, kept
+    blocks in use, freed ones not; the CPU profile is a request of its own."""
+    _available()
+    mean = 16 * 1024
+    with OtlpProfilesReceiver() as receiver:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT", receiver.url)
+        with caplog.at_level(logging.INFO, logger="spanprof"):
+            _push_memory("", mean, exporters="otlp")
+        requests = receiver.requests()
+        samples = receiver.memory_samples()
+        cpu = receiver.samples()
+        assert receiver.errors == []
+    kinds = sorted(
+        tuple(profile_type(r, p) for p in r.resource_profiles[0].scope_profiles[0].profiles)
+        for r in requests
+    )
+    assert kinds == sorted([("samples:count:cpu:nanoseconds",), MEMORY_PROFILE_TYPES])
+    assert cpu
+    assert any(
+        "memory profiles" in r.message and r.message.endswith("exporting to otlp")
+        for r in caplog.records
+    ), caplog.text
+    check_kept_and_freed(samples, mean)
+    assert {s.label_values("trace_id") for s in samples if s.label_values("span_id")} == {
+        (KEPT["trace_id"],),
+        (FREED["trace_id"],),
+    }
+
+
+@pytest.mark.engine
+@MEMORY_VERSIONS
+def test_both_exporters_send_the_same_memory_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    """exporters="pyroscope,otlp": the memory push and the OTLP memory profiles carry exactly
+    the same estimates (one sampler, every window to each), and stats() counts both."""
+    _available()
+    with PushReceiver() as pyroscope, OtlpProfilesReceiver() as otlp:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT", otlp.url)
+        stats = _push_memory(pyroscope.url, 16 * 1024, exporters="pyroscope,otlp")
+        pushed = pyroscope.samples("memory")
+        exported = otlp.memory_samples()
+        assert pyroscope.errors == []
+        assert otlp.errors == []
+
+    def by_span(samples: list[ReceivedSample]) -> dict[tuple[str, ...], list[int]]:
+        rows: dict[tuple[str, ...], list[int]] = {}
+        for sample in samples:
+            row = rows.setdefault(sample.label_values("span_id"), [0, 0, 0, 0])
+            for i, value in enumerate(sample.values):
+                row[i] += value
+        return rows
+
+    assert by_span(pushed)[(KEPT["span_id"],)][1] > 0
+    assert by_span(exported) == by_span(pushed)
+    # Flushed side by side with the CPU exporters at shutdown, each counted under its prefix.
+    assert (stats["memory_push_uploads"], stats["memory_otlp_uploads"]) == (1, 1), stats
+    assert (stats["uploads"], stats["otlp_uploads"]) == (1, 1), stats
