@@ -298,3 +298,54 @@ def test_both_exporters_send_the_same_memory_samples(monkeypatch: pytest.MonkeyP
     # Flushed side by side with the CPU exporters at shutdown, each counted under its prefix.
     assert (stats["memory_push_uploads"], stats["memory_otlp_uploads"]) == (1, 1), stats
     assert (stats["uploads"], stats["otlp_uploads"]) == (1, 1), stats
+
+
+# --- local mode's receiver -----------------------------------------------------------------------
+
+
+def test_local_receiver_stores_otlp_memory_as_the_memory_push_would() -> None:
+    """The four OTLP memory profiles become one memory series equal to the Pyroscope memory
+    push of the same window; nothing of them is CPU, to the receiver or to local mode's store."""
+    from spanprof._local._receiver import ReceivedPush
+    from spanprof._local._samples import SampleStore
+    from spanprof._profiling._encoders._memory import MemoryEncoder, memory_series_labels
+    from spanprof._profiling._exporters._pusher import Pusher
+
+    window = _memory_window()
+    pushes: list[ReceivedPush] = []
+    with PushReceiver(on_push=pushes.append) as receiver:
+        exporter = _exporter(
+            receiver.url + "/v1development/profiles",
+            encoder=functools.partial(OtlpMemoryEncoder, period=PERIOD),
+        )
+        exporter.start(lambda: window)
+        exporter.stop()
+        exported = receiver.samples("memory")
+        assert receiver.samples() == []
+        receiver.clear()
+        pusher = Pusher(
+            server_address=receiver.url,
+            labels=memory_series_labels("checkout", {}),
+            period_ns=PERIOD,
+            upload_interval=60,
+            encoder=lambda w: MemoryEncoder(w, period=PERIOD),
+        )
+        pusher.start(lambda: window)
+        pusher.stop()
+        pushed = receiver.samples("memory")
+        assert receiver.errors == []
+    (otlp_series,) = pushes[0].series
+    assert otlp_series.label("__name__") == "memory"
+    assert otlp_series.label("service_name") == "checkout"
+    (profile,) = otlp_series.profiles
+    assert (profile.period_type, profile.period) == (("space", "bytes"), PERIOD)
+
+    def rows(samples: list[ReceivedSample]) -> dict[object, tuple[int, ...]]:
+        return {(s.stack, tuple(sorted(s.labels))): s.values for s in samples}
+
+    assert len(exported) == 4
+    assert rows(exported) == rows(pushed)
+    store = SampleStore()
+    store.ingest(pushes[0])
+    assert store.status()["samples_ns"] == 0
+    assert store.sample_total(_labels(0)["span_id"]) == 0

@@ -43,6 +43,7 @@ from typing import Generic, TypeVar
 from ..._labels._labelset import LabelSet
 from ..._version import __version__
 from .._window import Frame, Window
+from ._memory import MEMORY_PERIOD_TYPE, MEMORY_SAMPLE_TYPES
 from ._pprof import Profile, Sample
 from ._protowire import (
     WIRE_LEN,
@@ -615,6 +616,12 @@ def decode_export_request(data: bytes) -> list[PushSeries]:
     ``service_name`` (the resource's ``service.name``), plus the resource's other string
     attributes. A sample's link becomes ``span_id``/``trace_id`` hex labels, its attributes
     the other labels.
+
+    Memory profiles (``alloc_*``/``inuse_*`` with period type ``space/bytes``) of one
+    ``ScopeProfiles`` become one ``memory`` series instead, one profile of the four sample types
+    with a sample per stack and labels: exactly what the Pyroscope memory push carries, so
+    memory is stored alike whichever way it came. (Pyroscope 2.x's own OTLP ingest names every
+    profile that is not off-CPU ``process_cpu``, telling memory apart by sample type only.)
     """
     try:
         return _decode_export_request(data)
@@ -669,26 +676,34 @@ def _decode_export_request(data: bytes) -> list[PushSeries]:
             kv = _fields(as_bytes(kv_raw))
             resource[as_str(_msg(kv, _KV_KEY))] = _any_text(_msg(kv, _KV_VALUE), strings)
         service = resource.pop("service.name", "") or "unknown_service"
+        rest = [("service_name", service), *sorted(resource.items())]
         for sp_raw in rp.get(_RP_SCOPE_PROFILES, ()):
+            memory: list[Profile] = []
             for p_raw in _fields(as_bytes(sp_raw)).get(_SP_PROFILES, ()):
-                series.append(
-                    _series(
-                        _fields(as_bytes(p_raw)), service, resource, strings, stacks, links,
-                        attributes,
-                    )
-                )  # fmt: skip
+                name, profile = _profile(
+                    _fields(as_bytes(p_raw)), strings, stacks, links, attributes
+                )
+                if (
+                    profile.sample_types[0] in MEMORY_SAMPLE_TYPES
+                    and profile.period_type == MEMORY_PERIOD_TYPE
+                ):
+                    memory.append(profile)
+                else:
+                    series.append(PushSeries((("__name__", name), *rest), (profile,)))
+            if memory:
+                series.append(PushSeries((("__name__", "memory"), *rest), (_joined(memory),)))
     return series
 
 
-def _series(
+def _profile(
     p: dict[int, list[FieldValue]],
-    service: str,
-    resource: Mapping[str, str],
     strings: Sequence[str],
     stacks: Sequence[tuple[Frame, ...]],
     links: Sequence[tuple[str, str]],
     attributes: Sequence[tuple[str, str]],
-) -> PushSeries:
+) -> tuple[str, Profile]:
+    """The series name and the pprof model of one ``Profile``."""
+
     def value_type(field: int) -> tuple[str, str]:
         vt = _fields(_msg(p, field))
         return (
@@ -731,8 +746,29 @@ def _series(
         duration_nanos=_int(p, _P_DURATION_NANO),
         samples=tuple(samples),
     )
-    labels = [("__name__", name), ("service_name", service), *sorted(resource.items())]
-    return PushSeries(tuple(labels), (profile,))
+    return name, profile
+
+
+def _joined(memory: list[Profile]) -> Profile:
+    """Memory profiles of one sample type each as one of ``MEMORY_SAMPLE_TYPES``, joined per
+    (stack, labels), 0 where a profile has no sample."""
+    rows: dict[tuple[tuple[Frame, ...], tuple[tuple[str, str], ...]], list[int]] = {}
+    for profile in memory:
+        position = MEMORY_SAMPLE_TYPES.index(profile.sample_types[0])
+        for sample in profile.samples:
+            row = rows.setdefault((sample.stack, sample.labels), [0] * len(MEMORY_SAMPLE_TYPES))
+            row[position] += sample.values[0]
+    first = memory[0]
+    return Profile(
+        sample_types=MEMORY_SAMPLE_TYPES,
+        period_type=MEMORY_PERIOD_TYPE,
+        period=first.period,
+        time_nanos=min(p.time_nanos for p in memory),
+        duration_nanos=max(p.duration_nanos for p in memory),
+        samples=tuple(
+            Sample(stack, tuple(values), labels) for (stack, labels), values in rows.items()
+        ),
+    )
 
 
 def _fixed64(fields: dict[int, list[FieldValue]], field: int) -> int:
