@@ -150,7 +150,7 @@ class SampleStore:
             self._totals.pushes += 1
             for series in push.series:
                 if series.label("__name__") not in (None, "process_cpu"):
-                    continue  # memory profiles carry no labels
+                    continue  # the page shows CPU: memory series (pushed or OTLP) are not kept
                 service = (series.label("service_name") or "")[:_MAX_NAME]
                 services = self._totals.services
                 if service and (service in services or len(services) < _MAX_SERVICES):

@@ -9,25 +9,29 @@ dashboards and Grafana's trace-to-profile links work unchanged.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from .._config import parse_bool, parse_int
 from .._labels._backend import SpanUsage
 from .._labels._labelset import LabelSet
 from .._logging import logger
 from ._encoders._memory import MemoryEncoder, memory_series_labels
+from ._encoders._otlp import OtlpEncoder
+from ._encoders._otlp_memory import OtlpMemoryEncoder
 from ._encoders._window import series_labels
 from ._exporters._fanout import WindowExporter, WindowFanout, stop_all
-from ._exporters._otlp import OtlpExporter, OtlpSettings
-from ._exporters._pusher import Pusher
+from ._exporters._otlp import OtlpEncoderFactory, OtlpExporter, OtlpSettings
+from ._exporters._pusher import Pusher, StepEncoder
 from ._hold import SloHold
 from ._pyroscope import PyroscopeBackend
 from ._samplers._memory import DEFAULT_SAMPLE_BYTES, MemorySampler, MemorySamplerUnavailable
 from ._samplers._signal import CLOCKS, Sampler, SamplerUnavailable, os_thread_ident
 from ._settings import PyroscopeSettings, WithPyroscopeSettings
+from ._window import Window
 
 __all__ = ["EXPORTERS", "ExactBackend", "parse_exporters"]
 
@@ -80,9 +84,12 @@ class ExactBackend(WithPyroscopeSettings):
     only: no other thread is interrupted or has to block the signal.
 
     With ``memory=True`` (the default) it also samples allocations (about one per
-    ``alloc_sample_bytes`` allocated) with the stack and labels of the code that allocated them,
-    and pushes them as Pyroscope's ``memory`` profile type (allocated objects and bytes per upload
-    window, in-use objects and bytes at upload), each sample labelled with the allocating span.
+    ``alloc_sample_bytes`` allocated) with the stack and labels of the code that allocated them:
+    allocated objects and bytes per upload window, in-use objects and bytes at upload, each
+    sample labelled with the allocating span. The ``pyroscope`` exporter pushes them as
+    Pyroscope's ``memory`` profile type, the ``otlp`` one as four OTLP profiles
+    (``alloc_objects``, ``alloc_space``, ``inuse_objects``, ``inuse_space``) whose samples link
+    to their spans, in a request of their own.
 
     Arguments:
         server_address: Pyroscope URL, e.g. ``http://pyroscope:4040``.
@@ -146,7 +153,8 @@ class ExactBackend(WithPyroscopeSettings):
         self.memory = memory
         self.alloc_sample_bytes = alloc_sample_bytes
         self._memory_sampler: MemorySampler | None = None
-        self._memory_pusher: Pusher | None = None
+        # The memory exporters, each with the prefix of its keys in stats().
+        self._memory_exporters: list[tuple[str, WindowExporter]] = []
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._sampler: Sampler | None = None
@@ -252,11 +260,12 @@ class ExactBackend(WithPyroscopeSettings):
         return stats
 
     def _memory_stats(self) -> dict[str, float]:
-        sampler, pusher = self._memory_sampler, self._memory_pusher
-        if sampler is None or pusher is None:
+        sampler, exporters = self._memory_sampler, self._memory_exporters
+        if sampler is None or not exporters:
             return {}
         stats = {f"memory_{name}": value for name, value in sampler.stats().items()}
-        stats.update((f"memory_push_{name}", value) for name, value in pusher.stats().items())
+        for prefix, exporter in exporters:
+            stats.update((prefix + name, value) for name, value in exporter.stats().items())
         return stats
 
     # --- ProfilerBackend -----------------------------------------------------------------------
@@ -274,7 +283,7 @@ class ExactBackend(WithPyroscopeSettings):
             # After a fork the parent's objects are here, but not its threads or timer.
             self._sampler = self._fallback = self._hold = None
             self._exporters = []
-            self._memory_pusher = None
+            self._memory_exporters = []
             self._sink = _ignore
             self._context_thread = 0
             sampler = self._idle_sampler
@@ -342,8 +351,7 @@ class ExactBackend(WithPyroscopeSettings):
                     "" if self.clock == "cpu" else ", wall clock",
                     " and ".join(self.exporters),
                 )
-                # Memory profiles are a Pyroscope push of their own (OTLP carries CPU only).
-                if self.memory and "pyroscope" in self.exporters:
+                if self.memory:
                     self._start_memory(pid)
             self._pid = pid
             if not self._atexit_registered:
@@ -355,31 +363,49 @@ class ExactBackend(WithPyroscopeSettings):
         exporters: list[WindowExporter] = []
         if "pyroscope" in self.exporters:
             exporters.append(
-                Pusher(
-                    server_address=self.server_address,
-                    labels=series_labels(self.application_name, self.tags),
+                self._pusher(
+                    series_labels(self.application_name, self.tags),
                     period_ns=1_000_000_000 // self.sample_rate,
-                    upload_interval=self.upload_interval,
-                    tenant_id=self.tenant_id,
-                    basic_auth_username=self.basic_auth_username,
-                    basic_auth_password=self.basic_auth_password,
-                    # Within ProfilerRuntime's 5 s shutdown budget, even with the server away.
-                    flush_timeout=2.0,
                 )
             )
         if self._otlp is not None:
-            exporters.append(
-                OtlpExporter(
-                    self._otlp,
-                    upload_interval=self.upload_interval,
-                    attributes=sorted(self.tags.items()),
-                    flush_timeout=2.0,
-                )
-            )
+            exporters.append(self._otlp_exporter(self._otlp))
         return exporters
 
+    def _pusher(
+        self,
+        labels: list[tuple[str, str]],
+        *,
+        period_ns: int,
+        encoder: Callable[[Window], StepEncoder] | None = None,
+    ) -> Pusher:
+        return Pusher(
+            server_address=self.server_address,
+            labels=labels,
+            period_ns=period_ns,
+            upload_interval=self.upload_interval,
+            tenant_id=self.tenant_id,
+            basic_auth_username=self.basic_auth_username,
+            basic_auth_password=self.basic_auth_password,
+            # Within ProfilerRuntime's 5 s shutdown budget, even with the server away.
+            flush_timeout=2.0,
+            encoder=encoder,
+        )
+
+    def _otlp_exporter(
+        self, settings: OtlpSettings, encoder: OtlpEncoderFactory = OtlpEncoder
+    ) -> OtlpExporter:
+        return OtlpExporter(
+            settings,
+            upload_interval=self.upload_interval,
+            attributes=sorted(self.tags.items()),
+            flush_timeout=2.0,
+            encoder=encoder,
+        )
+
     def _start_memory(self, pid: int) -> None:
-        # Allocation sampling with its own uploader: the memory series is a push of its own.
+        # Allocation sampling with exporters of its own: memory is a Pyroscope series of its own,
+        # and an OTLP request of its own (its failures and drops are not the CPU profiles').
         sampler = self._memory_sampler
         if sampler is None:
             sampler = self._memory_sampler = MemorySampler(sample_bytes=self.alloc_sample_bytes)
@@ -395,24 +421,29 @@ class ExactBackend(WithPyroscopeSettings):
             )
             return
         period = self.alloc_sample_bytes
-        pusher = Pusher(
-            server_address=self.server_address,
-            labels=memory_series_labels(self.application_name, self.tags),
-            period_ns=period,
-            upload_interval=self.upload_interval,
-            tenant_id=self.tenant_id,
-            basic_auth_username=self.basic_auth_username,
-            basic_auth_password=self.basic_auth_password,
-            flush_timeout=2.0,
-            encoder=lambda window: MemoryEncoder(window, period=period),
-        )
-        pusher.start(sampler.take_window)
-        self._memory_pusher = pusher
+        exporters: list[tuple[str, WindowExporter]] = []
+        if "pyroscope" in self.exporters:
+            pusher = self._pusher(
+                memory_series_labels(self.application_name, self.tags),
+                period_ns=period,
+                encoder=lambda window: MemoryEncoder(window, period=period),
+            )
+            exporters.append(("memory_push_", pusher))
+        if self._otlp is not None:
+            otlp = self._otlp_exporter(
+                self._otlp, functools.partial(OtlpMemoryEncoder, period=period)
+            )
+            exporters.append(("memory_", otlp))  # its keys start with otlp_ already
+        fanout = WindowFanout(sampler.take_window, len(exporters))
+        for i, (_prefix, exporter) in enumerate(exporters):
+            exporter.start(fanout.collector(i))
+        self._memory_exporters = exporters
         logger.info(
             "spanprof: memory profiles (pid %d): one allocation sampled per %d bytes on average, "
-            "labelled with the allocating span",
+            "labelled with the allocating span; exporting to %s",
             pid,
             period,
+            " and ".join(self.exporters),
         )
 
     def shutdown(self) -> None:
@@ -429,29 +460,24 @@ class ExactBackend(WithPyroscopeSettings):
             self._sink = _ignore
             self._context_thread = 0
             sampler, exporters, fallback = self._sampler, self._exporters, self._fallback
-            hold, memory_pusher = self._hold, self._memory_pusher
+            hold = self._hold
+            memory_exporters = [exporter for _prefix, exporter in self._memory_exporters]
             self._sampler = self._fallback = self._hold = None
             self._exporters = []
             if sampler is not None:
                 sampler.stop()
             if hold is not None:
                 hold.close()  # the last upload carries what waits for a verdict too
-            flushing: threading.Thread | None = None
-            if memory_pusher is not None:
-                if self._memory_sampler is not None:
-                    self._memory_sampler.stop()
-                # All uploaders flush at once: shutdown stays within one flush budget.
-                flushing = threading.Thread(target=memory_pusher.stop, daemon=True)
-                flushing.start()
-            stop_all(exporters)
-            if flushing is not None:
-                flushing.join()
+            if memory_exporters and self._memory_sampler is not None:
+                self._memory_sampler.stop()
+            # All exporters flush at once, CPU and memory: shutdown stays within one flush budget.
+            stop_all([*exporters, *memory_exporters])
             if sampler is not None and hold is not None and exporters:
                 self._last_stats = {
                     **self._stats_of(sampler, hold, exporters),
                     **self._memory_stats(),
                 }
-            self._memory_pusher = None
+            self._memory_exporters = []
             if fallback is not None:
                 fallback.shutdown()
 
