@@ -140,6 +140,7 @@ def _check(
     assert len({labels["span_id"] for labels in expected.values()}) == CONCURRENCY
 
     exact = wrong = unlabelled = double = background = background_labelled = 0
+    slo_labelled = 0
     allocated: dict[int, int] = {}
     for sample in samples:
         alloc_space = sample.values[1]
@@ -156,6 +157,12 @@ def _check(
         if index is None:
             continue
         allocated[index] = allocated.get(index, 0) + alloc_space
+        # The request's allocations waited for its SLO verdict (and in-use memory, a snapshot,
+        # carries none).
+        if tuple(sample.label_values("slo")) in (("ok",), ("breached",)):
+            slo_labelled += alloc_space
+        elif sample.label_values("slo"):
+            wrong += alloc_space
         want = expected[index]
         if not spans:
             unlabelled += alloc_space
@@ -171,6 +178,7 @@ def _check(
     request_total = exact + wrong + unlabelled
     assert request_total > 0, summary
     assert exact / request_total >= 0.99, summary
+    assert slo_labelled / request_total >= 0.99, (slo_labelled, summary)
     assert double == 0, summary
     assert background > 0, summary
     assert background_labelled == 0, summary

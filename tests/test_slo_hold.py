@@ -7,7 +7,7 @@ import tracemalloc
 
 from spanprof._labels._labelset import LabelSet
 from spanprof._profiling._hold import SloHold
-from spanprof._profiling._window import Frame, StackTables, Window
+from spanprof._profiling._window import Frame, MemoryWindow, StackTables, Window
 
 BACKGROUND = LabelSet({"job": "cron"})
 
@@ -235,3 +235,34 @@ def test_memory_of_the_hold_under_10000_concurrent_slow_requests() -> None:
     assert hold.stats()["slo_held_samples"] == 40_000
     print(f"hold: {held / 1e6:.1f} MB for 10,000 spans x 4 stacks")
     assert held < 16 * 1024 * 1024
+
+
+def test_memory_windows_hold_allocations_and_pass_in_use_memory_on() -> None:
+    """Allocated bytes and objects wait and get slo together; in-use memory is untouched."""
+    tables = StackTables()
+    tables.frames.append(Frame("alloc", "app.py", 1))
+    sid = tables.add_stack((0,))
+    span = _labels(5)
+    first = MemoryWindow(
+        0,
+        tables,
+        values={(sid, span): 4096},
+        alloc_objects={(sid, span): 4},
+        inuse={(sid, span): (2, 2048)},
+    )
+    second = MemoryWindow(
+        0, tables, values={(sid, span): 1024}, alloc_objects={(sid, span): 1}, inuse={}
+    )
+    windows = iter([first, second])
+    hold = SloHold(lambda: next(windows))
+    out = hold.take_window()
+    assert isinstance(out, MemoryWindow)
+    assert out.values == {}
+    assert out.alloc_objects == {}
+    assert out.inuse == {(sid, span): (2, 2048)}
+    hold.end_span(span["span_id"], True)
+    out = hold.take_window()
+    assert isinstance(out, MemoryWindow)
+    labelled = span.merged({"slo": "breached"})
+    assert out.values == {(sid, labelled): 5120}
+    assert out.alloc_objects == {(sid, labelled): 5}

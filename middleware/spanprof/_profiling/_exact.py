@@ -162,6 +162,7 @@ class ExactBackend(WithPyroscopeSettings):
         self._idle_pid: int | None = None
         self._exporters: list[WindowExporter] = []
         self._hold: SloHold | None = None
+        self._memory_hold: SloHold | None = None
         self._fallback: PyroscopeBackend | None = None
         self._sink = _ignore
         # The thread whose labels the sampler reads itself (0: none, e.g. in fallback mode).
@@ -281,7 +282,7 @@ class ExactBackend(WithPyroscopeSettings):
             if self._pid == pid:
                 return
             # After a fork the parent's objects are here, but not its threads or timer.
-            self._sampler = self._fallback = self._hold = None
+            self._sampler = self._fallback = self._hold = self._memory_hold = None
             self._exporters = []
             self._memory_exporters = []
             self._sink = _ignore
@@ -434,10 +435,13 @@ class ExactBackend(WithPyroscopeSettings):
                 self._otlp, functools.partial(OtlpMemoryEncoder, period=period)
             )
             exporters.append(("memory_", otlp))  # its keys start with otlp_ already
-        fanout = WindowFanout(sampler.take_window, len(exporters))
+        # Allocations wait for their request's SLO verdict too.
+        hold = SloHold(sampler.take_window, max_windows=2)
+        fanout = WindowFanout(hold.take_window, len(exporters))
         for i, (_prefix, exporter) in enumerate(exporters):
             exporter.start(fanout.collector(i))
         self._memory_exporters = exporters
+        self._memory_hold = hold
         logger.info(
             "spanprof: memory profiles (pid %d): one allocation sampled per %d bytes on average, "
             "labelled with the allocating span; exporting to %s",
@@ -460,7 +464,10 @@ class ExactBackend(WithPyroscopeSettings):
             self._sink = _ignore
             self._context_thread = 0
             sampler, exporters, fallback = self._sampler, self._exporters, self._fallback
-            hold = self._hold
+            hold, memory_hold = self._hold, self._memory_hold
+            self._memory_hold = None
+            if memory_hold is not None:
+                memory_hold.close()
             memory_exporters = [exporter for _prefix, exporter in self._memory_exporters]
             self._sampler = self._fallback = self._hold = None
             self._exporters = []
@@ -486,10 +493,12 @@ class ExactBackend(WithPyroscopeSettings):
 
         ``None`` when not sampling exactly (the pyroscope-io fallback has no hold).
         """
-        sampler, hold = self._sampler, self._hold
+        sampler, hold, memory_hold = self._sampler, self._hold, self._memory_hold
         if sampler is None or hold is None:
             return None
         hold.end_span(span_id, breached)
+        if memory_hold is not None:
+            memory_hold.end_span(span_id, breached)
         return SpanUsage(sampler.span_cpu_ns(span_id))
 
     def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from .._labels._labelset import LabelSet
-from ._window import Frame, StackTables, Window
+from ._window import Frame, MemoryWindow, StackTables, Window
 
 __all__ = ["BREACHED", "OK", "SLO_LABEL", "SloHold"]
 
@@ -40,13 +40,15 @@ _Key = tuple[int, LabelSet]
 class _Held:
     """The samples of one in-flight span, from the window (and tables) they were taken in."""
 
-    __slots__ = ("age", "born", "tables", "values")
+    __slots__ = ("age", "born", "objects", "tables", "values")
 
     def __init__(self, tables: StackTables, born: int) -> None:
         self.age = 0
         self.born = born
         self.tables = tables
         self.values: dict[_Key, int] = {}
+        # Allocated objects, for memory windows (values are then allocated bytes).
+        self.objects: dict[_Key, int] = {}
 
 
 class SloHold:
@@ -111,7 +113,17 @@ class SloHold:
         with self._lock:  # exporters may ask from their own threads
             window = self._take()
             self._takes += 1
-            out = Window(window.start_ns, window.tables, end_ns=window.end_ns)
+            memory = isinstance(window, MemoryWindow)
+            out: Window
+            if isinstance(window, MemoryWindow):
+                # What is in use is a snapshot, not a delta: it is not held and gets no slo.
+                out = MemoryWindow(
+                    window.start_ns, window.tables, end_ns=window.end_ns, inuse=window.inuse
+                )
+                objects_in, objects = window.alloc_objects, out.alloc_objects
+            else:
+                out = Window(window.start_ns, window.tables, end_ns=window.end_ns)
+                objects_in, objects = {}, {}
             recent, older = self._recent, self._older
             # Rotate first: a verdict written from now on lands in what will be looked up next.
             self._recent, self._older = {}, recent
@@ -127,7 +139,7 @@ class SloHold:
                     return True, older[span_id]
                 return False, None
 
-            def put(key: _Key, weight: int, ended: bool, breached: bool | None) -> None:
+            def put(key: _Key, weight: int, count: int, ended: bool, breached: bool | None) -> None:
                 sid, labels = key
                 if ended and breached is not None:
                     cached = labelled.get((labels, breached))
@@ -138,6 +150,8 @@ class SloHold:
                     self.labelled_ns += weight
                 key = (sid, labels)
                 values[key] = values.get(key, 0) + weight
+                if count:
+                    objects[key] = objects.get(key, 0) + count
 
             # This upload's samples first: their keys are distinct, so each is one dict store.
             # A request keeps one label set object: decide once per object, not per sample.
@@ -150,18 +164,28 @@ class SloHold:
                     decision = decisions[id(labels)] = self._decide(
                         labels, verdict, labelled, window.tables, max_age
                     )
+                allocated = objects_in.get(key, 0) if memory else 0
                 if isinstance(decision, LabelSet):
+                    source = key
                     if decision is not labels:
                         self.labelled_ns += weight
                         key = (key[0], decision)
                     values[key] = weight
+                    if memory and source in objects_in:
+                        objects[key] = allocated
                 elif key in decision.values:  # held from an earlier upload too
                     decision.values[key] += weight
+                    if allocated:
+                        decision.objects[key] = decision.objects.get(key, 0) + allocated
                 elif self._held_keys < self.max_held:
                     self._held_keys += 1
                     decision.values[key] = weight
+                    if allocated:
+                        decision.objects[key] = allocated
                 else:  # full: let it go unlabelled
                     values[key] = weight
+                    if memory and key in objects_in:
+                        objects[key] = allocated
                     self.overflow_ns += weight
                 if count & 4095 == 4095:
                     time.sleep(0)  # a big window: let the application have the GIL
@@ -177,9 +201,10 @@ class SloHold:
                 del held_map[span_id]
                 self._held_keys -= len(held.values)
                 for key, weight in held.values.items():
+                    count = held.objects.get(key, 0)
                     if held.tables is not window.tables:
                         key = (_foreign(out, held.tables.stacks[key[0]]), key[1])
-                    put(key, weight, ended, breached)
+                    put(key, weight, count, ended, breached)
                     if ended:
                         self.released_ns += weight
                     else:
