@@ -305,7 +305,8 @@ def test_both_exporters_send_the_same_memory_samples(monkeypatch: pytest.MonkeyP
 
 def test_local_receiver_stores_otlp_memory_as_the_memory_push_would() -> None:
     """The four OTLP memory profiles become one memory series equal to the Pyroscope memory
-    push of the same window; nothing of them is CPU, to the receiver or to local mode's store."""
+    push of the same window; nothing of them is CPU, to the receiver or to local mode's store,
+    which keeps what each span allocated."""
     from spanprof._local._receiver import ReceivedPush
     from spanprof._local._samples import SampleStore
     from spanprof._profiling._encoders._memory import MemoryEncoder, memory_series_labels
@@ -349,3 +350,10 @@ def test_local_receiver_stores_otlp_memory_as_the_memory_push_would() -> None:
     store.ingest(pushes[0])
     assert store.status()["samples_ns"] == 0
     assert store.sample_total(_labels(0)["span_id"]) == 0
+    # What each span allocated is kept for the page, the same by OTLP and by push.
+    assert store.allocated_bytes(_labels(0)["span_id"]) == 40_960
+    assert store.allocated_bytes(_labels(1)["span_id"]) == 8_192
+    assert store.allocated_bytes(_labels(2)["span_id"]) == 0  # only in use, not allocated now
+    pushed_store = SampleStore()
+    pushed_store.ingest(pushes[-1])
+    assert pushed_store.allocated_bytes(_labels(0)["span_id"]) == 40_960

@@ -26,6 +26,7 @@ from ._receiver import ReceivedPush
 __all__ = ["SampleStore", "SpanProfile"]
 
 _CPU_TYPE = ("cpu", "nanoseconds")
+_ALLOC_TYPE = ("alloc_space", "bytes")
 _DEFAULT_PERIOD_NS = 10_000_000
 # Longer than any real function, file or span name; an upload's strings can be megabytes.
 _MAX_NAME = 1024
@@ -143,14 +144,20 @@ class SampleStore:
         self._span_bytes: dict[str, int] = {}
         self._stack_bytes = 0
         self._evicted = 0
+        # span id -> bytes allocated (estimates from the memory profiles), newest last.
+        self._allocated: OrderedDict[str, int] = OrderedDict()
 
     def ingest(self, push: ReceivedPush) -> None:
         """Split one accepted push by span id (the receiver's ``on_push`` callback)."""
         with self._lock:
             self._totals.pushes += 1
             for series in push.series:
-                if series.label("__name__") not in (None, "process_cpu"):
-                    continue  # the page shows CPU: memory series (pushed or OTLP) are not kept
+                name = series.label("__name__")
+                if name == "memory":
+                    self._add_memory(series.profiles)
+                    continue
+                if name not in (None, "process_cpu"):
+                    continue
                 service = (series.label("service_name") or "")[:_MAX_NAME]
                 services = self._totals.services
                 if service and (service in services or len(services) < _MAX_SERVICES):
@@ -163,6 +170,33 @@ class SampleStore:
                     for sample in profile.samples:
                         self._add(sample.stack, sample.value, sample.labels, service, push)
             self._enforce_bytes()
+
+    def _add_memory(self, profiles: Any) -> None:
+        # Memory profiles are not drawn: the page shows what each span allocated, in bytes.
+        for profile in profiles:
+            if _ALLOC_TYPE not in profile.sample_types:
+                continue
+            index = profile.sample_types.index(_ALLOC_TYPE)
+            for sample in profile.samples:
+                value = sample.values[index] if index < len(sample.values) else 0
+                if value <= 0:
+                    continue
+                for key, span_id in sample.labels:
+                    if key == "span_id" and len(span_id) <= _MAX_ID:
+                        allocated = self._allocated
+                        if span_id in allocated:
+                            allocated[span_id] += value
+                            allocated.move_to_end(span_id)
+                        else:
+                            allocated[span_id] = value
+                            if len(allocated) > self._max_spans:
+                                allocated.popitem(last=False)
+                        break
+
+    def allocated_bytes(self, span_id: str) -> int:
+        """Bytes ``span_id`` allocated, from the memory profiles received (0 when none)."""
+        with self._lock:
+            return self._allocated.get(span_id, 0)
 
     def _add(
         self,

@@ -344,6 +344,7 @@ class UiServer:
     def _breach_json(self, record: SpanRecord) -> dict[str, Any]:
         item = record.to_json()
         item["profile_ns"] = self.samples.sample_total(record.span_id)
+        item["alloc_bytes"] = self.samples.allocated_bytes(record.span_id)
         return item
 
     def _status(self, query: dict[str, str]) -> _ApiResult:
@@ -402,6 +403,7 @@ class UiServer:
                 "stacks": len(profile.stacks) if profile is not None else 0,
                 "period_ns": self.samples.status()["period_ns"],
                 "span": record.to_json() if record is not None else None,
+                "alloc_bytes": self.samples.allocated_bytes(span_id),
             }
         )
         # The tree is as deep as the deepest stack: it goes in through _tree_json.

@@ -34,6 +34,10 @@
     return value >= 100 ? value.toFixed(0) + " ms" : value.toFixed(1) + " ms";
   }
 
+  function mb(bytes) {
+    return bytes >= 1e6 ? (bytes / 1e6).toFixed(1) + " MB" : (bytes / 1e3).toFixed(0) + " kB";
+  }
+
   function clock(unixSeconds) {
     const d = new Date(unixSeconds * 1000);
     const pad = (n, w) => String(n).padStart(w || 2, "0");
@@ -107,6 +111,7 @@
         el("td", { class: "mono", title: b.trace_id, text: b.trace_id.slice(0, 8) + "…" }),
         el("td", { class: "mono", text: b.span_id }),
         el("td", { text: b.profile_ns ? ms(b.profile_ns / 1e9) : "…" }),
+        el("td", { class: "alloc", text: b.alloc_bytes ? mb(b.alloc_bytes) : "–" }),
       ]);
       row.addEventListener("click", () => select(b.span_id, b.trace_id));
       body.appendChild(row);
@@ -190,10 +195,11 @@
     showTrace(traceId, spanId);
   }
 
-  function renderMeta(span, spanId, traceId) {
+  function renderMeta(span, spanId, traceId, allocBytes) {
     const meta = $("detail-meta");
     meta.textContent = "";
     const rows = [["trace id", traceId], ["span id", spanId]];
+    if (allocBytes) rows.push(["allocated (memory profile)", mb(allocBytes)]);
     if (span) {
       $("detail-title").textContent = span.name;
       rows.unshift(
@@ -202,6 +208,9 @@
         ["service", span.service],
       );
       if (span.status_code != null) rows.push(["status", String(span.status_code)]);
+      if (span.attributes && span.attributes["spanprof.cpu_time_s"] != null) {
+        rows.push(["CPU (its samples)", ms(span.attributes["spanprof.cpu_time_s"])]);
+      }
       if (span.verdict_source) rows.push(["verdict", span.verdict_source === "span" ? "marked by the middleware" : "duration vs SLO (local)"]);
     } else {
       $("detail-title").textContent = "span " + spanId;
@@ -226,7 +235,7 @@
       return;
     }
     if (!state.selected || state.selected.span_id !== spanId) return; // another one was picked
-    renderMeta(data.span, spanId, state.selected.trace_id);
+    renderMeta(data.span, spanId, state.selected.trace_id, data.alloc_bytes);
     if (data.total_ns === 0) {
       link.classList.add("disabled");
       const chart = $("flamegraph");
