@@ -30,16 +30,17 @@ CPU_NS = 1_234_567
 class _EndingBackend(RecorderBackend):
     """A recorder that also takes span ends, as the exact backend does."""
 
-    def __init__(self, *, fail: bool = False) -> None:
+    def __init__(self, *, fail: bool = False, cpu_ns: int = CPU_NS) -> None:
         super().__init__()
         self.ended: list[tuple[str, bool | None]] = []
         self.fail = fail
+        self.cpu_ns = cpu_ns
 
     def end_span(self, span_id: str, breached: bool | None) -> SpanUsage | None:
         if self.fail:
             raise RuntimeError("injected")
         self.ended.append((span_id, breached))
-        return SpanUsage(CPU_NS)
+        return SpanUsage(self.cpu_ns)
 
 
 async def _sleepy(request: Request) -> Response:
@@ -191,3 +192,31 @@ def test_a_failing_end_span_never_reaches_the_request(
         assert asyncio.run(main()) == [200, 200, 200]
     failures = [r for r in caplog.records if "SLO verdict" in r.getMessage()]
     assert len(failures) == 1
+
+
+def test_requests_without_samples_record_no_cpu_time(
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    meter_provider: MeterProvider,
+    metric_reader: InMemoryMetricReader,
+) -> None:
+    """No sample landed in the request: its span says 0 s, the CPU histogram is left alone."""
+    backend = _EndingBackend(cpu_ns=0)
+    app = ProfilingMiddleware(
+        Starlette(routes=[Route("/s", _sleepy)]),
+        profiler=backend,
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+        environ={},
+    )
+
+    async def main() -> int:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return (await client.get("/s")).status_code
+
+    assert asyncio.run(main()) == 200
+    (span,) = _server_spans(span_exporter).values()
+    assert (span.attributes or {})["spanprof.cpu_time_s"] == 0
+    assert _points(metric_reader, "http.server.request.cpu_time") == []
+    assert sum(p.count for p in _points(metric_reader, "http.server.request.duration")) == 1
