@@ -22,6 +22,7 @@ from spanprof._labels import _engine
 from spanprof._labels._labelset import LABELS
 from spanprof._labels._native import cproxy
 from spanprof._logging import reset_log_once
+from spanprof._types import Receive, Scope, Send
 
 from .conftest import require, run_on
 
@@ -403,3 +404,29 @@ def test_public_engine_switch_takes_a_mechanism() -> None:
         assert _engine.installed_mechanism() == "hooks"
     finally:
         spanprof.engine.uninstall_label_engine()
+
+
+async def _app(scope: Scope, receive: Receive, send: Send) -> None:
+    return None
+
+
+@pytest.mark.parametrize("value", ["watcher", "hooks", ""])
+def test_spanprof_label_engine_picks_the_middlewares_mechanism(value: str) -> None:
+    """SPANPROF_LABEL_ENGINE=watcher|hooks is what the middleware's profiler start installs
+    (unset: the default); watcher where there is none is a ValueError naming the variable."""
+    if value == "watcher" and not WATCHER:
+        with pytest.raises(ValueError, match="SPANPROF_LABEL_ENGINE"):
+            spanprof.ProfilingMiddleware(
+                _app, profiler=RecorderBackend(), environ={"SPANPROF_LABEL_ENGINE": value}
+            )
+        return
+    middleware = spanprof.ProfilingMiddleware(
+        _app, profiler=RecorderBackend(), environ={"SPANPROF_LABEL_ENGINE": value}
+    )
+    runtime = middleware._runtime
+    runtime.start()
+    try:
+        assert _engine.installed_mechanism() == (value or _engine.default_mechanism())
+    finally:
+        runtime.stop()
+    assert _engine.installed_mechanism() is None
