@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import ctypes
 import importlib
 import sys
 import threading
@@ -139,6 +140,46 @@ def test_switching_mechanisms_while_installed_swaps_the_patches() -> None:
         _engine.uninstall_label_engine()
     assert asyncio.Handle._run is original
     assert not cproxy.watching_contexts()
+
+
+@needs_watcher
+def test_with_every_watcher_id_taken_the_engine_uses_its_hooks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Other libraries holding the interpreter's 8 watcher ids: logged once, hooks installed."""
+    callback_type = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.py_object)
+    callback = callback_type(lambda event, context: 0)
+    add = ctypes.pythonapi.PyContext_AddWatcher
+    add.argtypes, add.restype = [callback_type], ctypes.c_int
+    clear = ctypes.pythonapi.PyContext_ClearWatcher
+    clear.argtypes, clear.restype = [ctypes.c_int], ctypes.c_int
+    taken: list[int] = []
+    try:
+        while len(taken) < 8:
+            try:
+                taken.append(add(callback))
+            except RuntimeError:  # ids already held by someone else count as taken
+                break
+        original = asyncio.Handle._run
+        with caplog.at_level("WARNING", logger="spanprof"):
+            _engine.install_label_engine(RecorderBackend(), mechanism="watcher")
+        try:
+            assert _engine.installed_mechanism() == "hooks"
+            assert asyncio.Handle._run is not original
+        finally:
+            _engine.uninstall_label_engine()
+            reset_log_once()
+    finally:
+        for watcher_id in taken:
+            clear(watcher_id)
+    assert asyncio.Handle._run is original
+    assert any("no context watcher id left" in r.getMessage() for r in caplog.records)
+    # With the ids free again, the watcher installs.
+    _engine.install_label_engine(RecorderBackend(), mechanism="watcher")
+    try:
+        assert _engine.installed_mechanism() == "watcher"
+    finally:
+        _engine.uninstall_label_engine()
 
 
 class _Checker:

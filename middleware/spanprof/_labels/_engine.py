@@ -670,14 +670,31 @@ def _unwatch_contexts() -> None:
         _c_unwatch_contexts()
 
 
-def _install_patches(mechanism: Mechanism) -> None:
+def _watch_contexts() -> bool:
+    # Reads ``_tls`` from this module's namespace on every switch, like the C proxy.
+    if _c_watch_contexts is None:
+        return False
+    try:
+        _c_watch_contexts(LABELS, EMPTY, globals(), apply)
+    except RuntimeError:  # the interpreter's 8 context watcher ids are all taken
+        log_once(
+            "engine-no-watcher-id",
+            "spanprof: no context watcher id left in this interpreter (other libraries hold "
+            "all 8); the label engine uses its hooks instead (logged once)",
+        )
+        return False
+    _restore.append(_unwatch_contexts)
+    return True
+
+
+def _install_patches(mechanism: Mechanism) -> Mechanism:
+    # The mechanism installed: the hooks when the watcher cannot be had.
     if _c_set_quiet is not None:
         _c_set_quiet(_QUIET)
-    if mechanism == "watcher" and _c_watch_contexts is not None:
-        # Reads ``_tls`` from this module's namespace on every switch, like the C proxy.
-        _c_watch_contexts(LABELS, EMPTY, globals(), apply)
-        _restore.append(_unwatch_contexts)
+    if mechanism == "watcher" and _watch_contexts():
+        installed: Mechanism = "watcher"
     else:
+        installed = "hooks"
         setattr(asyncio.Handle, "_run", _handle_run_hook())  # noqa: B010 - a swap mypy forbids
         _restore.append(lambda: setattr(asyncio.Handle, "_run", _orig_handle_run))
     concurrent.futures.ThreadPoolExecutor.submit = _submit  # type: ignore[method-assign,assignment]
@@ -686,6 +703,7 @@ def _install_patches(mechanism: Mechanism) -> None:
         restore = patch()
         if restore is not None:
             _restore.append(restore)
+    return installed
 
 
 def _after_fork_in_child() -> None:
@@ -708,7 +726,9 @@ def install_label_engine(backend: ProfilerBackend, *, mechanism: Mechanism | Non
         mechanism: how context switches are followed: ``"hooks"`` or ``"watcher"`` (CPython
             3.14+, needs the C extension); default: the installed engine's, or
             ``default_mechanism()`` when it is not installed. ``ValueError`` if this
-            interpreter lacks it (see ``available_mechanisms()``).
+            interpreter lacks it (see ``available_mechanisms()``). Should the interpreter have
+            no context watcher id left (8, shared by all libraries), the engine logs it once and
+            uses the hooks (``installed_mechanism()`` says which runs).
     """
     global _backend, _tls, _fork_hook_registered, _seen_loop, _seen_trio, _mechanism
     if mechanism is not None and mechanism not in available_mechanisms():
@@ -726,8 +746,7 @@ def install_label_engine(backend: ProfilerBackend, *, mechanism: Mechanism | Non
             while _restore:
                 _restore.pop()()
         if not _restore:
-            _install_patches(wanted)
-            _mechanism = wanted
+            _mechanism = _install_patches(wanted)
         if not _fork_hook_registered:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _fork_hook_registered = True
