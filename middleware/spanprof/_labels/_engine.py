@@ -6,14 +6,14 @@ hooks every place where a thread starts running code of another context and, onl
 set differs from what that thread last pushed, tells the backend. It follows those switches
 with one of two mechanisms (``MECHANISMS``, chosen at install):
 
+- ``"hooks"`` (every version; the default, cheaper per step): asyncio's ``Handle._run`` (every
+  task step and callback runs in its handle's context); on loops whose handles are compiled
+  (uvloop), a task factory whose coroutine proxy re-syncs on every ``send``/``throw``, the same
+  factory re-syncing after eager tasks (3.12+) ran their first step inside the creating call;
+  a trio instrument's ``before_task_step``;
 - ``"watcher"`` (CPython 3.14+, with the C extension): a ``PyContext_AddWatcher`` callback runs
   after every context switch on every thread (each asyncio, eager, uvloop and trio task step
-  in and out, each ``Context.run``) and pushes the now-current context's labels;
-- ``"hooks"`` (every version): asyncio's ``Handle._run`` (every task step and callback runs in
-  its handle's context); on loops whose handles are compiled (uvloop), a task factory whose
-  coroutine proxy re-syncs on every ``send``/``throw``, the same factory re-syncing after eager
-  tasks (3.12+) ran their first step inside the creating call; a trio instrument's
-  ``before_task_step``.
+  in and out, each ``Context.run``) and pushes the now-current context's labels.
 
 And with either:
 
