@@ -4,7 +4,9 @@
 ``OtlpProfilesReceiver`` accepts ``POST /v1development/profiles`` (``application/x-protobuf``,
 gzip or not), parses each body as ``ExportProfilesServiceRequest`` with the generated classes,
 and records the data-model violations ``model_violations`` finds. ``responses`` scripts what
-it answers (status, headers, body), one entry per request, then 200.
+it answers (status, headers, body), one entry per request, then 200. ``samples()`` flattens
+the CPU profiles' samples (``flatten``), ``memory_samples()`` joins the four memory profiles'
+samples into pprof-like rows of four values (``memory_samples``).
 """
 
 from __future__ import annotations
@@ -22,16 +24,21 @@ from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 i
     ExportProfilesServiceRequest,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.profiles.v1development.profiles_pb2 import Profile
 
 from spanprof._local._receiver import ReceivedSample
 from spanprof._profiling._window import Frame
 
 __all__ = [
+    "CPU_PROFILE_TYPE",
+    "MEMORY_PROFILE_TYPES",
     "GrpcProfilesReceiver",
     "OtlpProfilesReceiver",
     "Response",
     "flatten",
+    "memory_samples",
     "model_violations",
+    "profile_type",
     "resource_attributes",
 ]
 
@@ -155,43 +162,124 @@ def model_violations(request: ExportProfilesServiceRequest) -> list[str]:
     return problems
 
 
+CPU_PROFILE_TYPE = "samples:count:cpu:nanoseconds"
+MEMORY_PROFILE_TYPES = tuple(
+    f"{name}:{unit}:space:bytes"
+    for name, unit in (
+        ("alloc_objects", "count"),
+        ("alloc_space", "bytes"),
+        ("inuse_objects", "count"),
+        ("inuse_space", "bytes"),
+    )
+)
+
+
+def profile_type(request: ExportProfilesServiceRequest, profile: Profile) -> str:
+    """``type:unit:period_type:period_unit`` of ``profile``, as Pyroscope names profile types."""
+    strings = request.dictionary.string_table
+    return ":".join(
+        strings[i]
+        for i in (
+            profile.sample_type.type_strindex,
+            profile.sample_type.unit_strindex,
+            profile.period_type.type_strindex,
+            profile.period_type.unit_strindex,
+        )
+    )
+
+
+def _profile_samples(
+    request: ExportProfilesServiceRequest, profile: Profile, received_at: float
+) -> Iterator[ReceivedSample]:
+    d = request.dictionary
+    strings = d.string_table
+    kind = profile_type(request, profile)
+    # As Pyroscope converts it: CPU samples counted in periods become CPU nanoseconds.
+    scale = profile.period if kind == CPU_PROFILE_TYPE else 1
+    for sample in profile.samples:
+        stack = []
+        for loc in d.stack_table[sample.stack_index].location_indices:
+            for line in d.location_table[loc].lines:
+                function = d.function_table[line.function_index]
+                stack.append(
+                    Frame(
+                        strings[function.name_strindex],
+                        strings[function.filename_strindex],
+                        line.line,
+                    )
+                )
+        labels: list[tuple[str, str]] = []
+        for a in sample.attribute_indices:
+            attribute = d.attribute_table[a]
+            labels.append((strings[attribute.key_strindex], str(_any(attribute.value))))
+        if sample.link_index:
+            link = d.link_table[sample.link_index]
+            labels.append(("span_id", link.span_id.hex()))
+            labels.append(("trace_id", link.trace_id.hex()))
+        value = sum(sample.values) * scale
+        yield ReceivedSample(
+            series_labels=(("profile_type", kind),),
+            stack=tuple(stack),
+            value=value,
+            labels=tuple(labels),
+            received_at=received_at,
+            values=(value,),
+        )
+
+
+def _profiles(request: ExportProfilesServiceRequest) -> Iterator[Profile]:
+    for rp in request.resource_profiles:
+        for sp in rp.scope_profiles:
+            yield from sp.profiles
+
+
 def flatten(
     request: ExportProfilesServiceRequest, received_at: float = 0.0
 ) -> Iterator[ReceivedSample]:
     """Each sample as a ``ReceivedSample``: its link as ``span_id``/``trace_id`` hex labels
-    (as Pyroscope's OTLP ingest makes them), its string attributes as the other labels."""
-    d = request.dictionary
-    strings = d.string_table
-    for rp in request.resource_profiles:
-        for sp in rp.scope_profiles:
-            for profile in sp.profiles:
-                for sample in profile.samples:
-                    stack = []
-                    for loc in d.stack_table[sample.stack_index].location_indices:
-                        for line in d.location_table[loc].lines:
-                            function = d.function_table[line.function_index]
-                            stack.append(
-                                Frame(
-                                    strings[function.name_strindex],
-                                    strings[function.filename_strindex],
-                                    line.line,
-                                )
-                            )
-                    labels: list[tuple[str, str]] = []
-                    for a in sample.attribute_indices:
-                        attribute = d.attribute_table[a]
-                        labels.append((strings[attribute.key_strindex], str(_any(attribute.value))))
-                    if sample.link_index:
-                        link = d.link_table[sample.link_index]
-                        labels.append(("span_id", link.span_id.hex()))
-                        labels.append(("trace_id", link.trace_id.hex()))
-                    yield ReceivedSample(
-                        series_labels=(),
-                        stack=tuple(stack),
-                        value=sum(sample.values) * profile.period,
-                        labels=tuple(labels),
-                        received_at=received_at,
-                    )
+    (as Pyroscope's OTLP ingest makes them), its string attributes as the other labels, its
+    profile's type as the series label ``profile_type``."""
+    for profile in _profiles(request):
+        yield from _profile_samples(request, profile, received_at)
+
+
+def memory_samples(
+    request: ExportProfilesServiceRequest, received_at: float = 0.0
+) -> list[ReceivedSample]:
+    """The memory profiles' samples joined per (stack, labels), as the pprof push carries them:
+    ``values`` are (alloc_objects, alloc_space, inuse_objects, inuse_space), 0 where a profile
+    has no sample; ``value`` is the first."""
+    rows: dict[tuple[tuple[Frame, ...], tuple[tuple[str, str], ...]], list[int]] = {}
+    for profile in _profiles(request):
+        kind = profile_type(request, profile)
+        if kind not in MEMORY_PROFILE_TYPES:
+            continue
+        position = MEMORY_PROFILE_TYPES.index(kind)
+        for sample in _profile_samples(request, profile, received_at):
+            row = rows.setdefault((sample.stack, tuple(sorted(sample.labels))), [0, 0, 0, 0])
+            row[position] += sample.value
+    return [
+        ReceivedSample(
+            series_labels=(("__name__", "memory"),),
+            stack=stack,
+            value=values[0],
+            labels=labels,
+            received_at=received_at,
+            values=tuple(values),
+        )
+        for (stack, labels), values in rows.items()
+    ]
+
+
+def _samples(
+    requests: list[ExportProfilesServiceRequest], kind: str | None
+) -> list[ReceivedSample]:
+    return [
+        s
+        for request in requests
+        for s in flatten(request)
+        if kind is None or s.series_label("profile_type") == kind
+    ]
 
 
 class OtlpProfilesReceiver:
@@ -257,9 +345,14 @@ class OtlpProfilesReceiver:
         with self._lock:
             return [r.request for r in self.received]
 
-    def samples(self) -> list[ReceivedSample]:
-        """Every sample of every accepted request, flattened."""
-        return [s for request in self.requests() for s in flatten(request)]
+    def samples(self, kind: str | None = CPU_PROFILE_TYPE) -> list[ReceivedSample]:
+        """Every sample of every accepted request's profiles of type ``kind`` (default CPU;
+        ``None``: all), flattened."""
+        return _samples(self.requests(), kind)
+
+    def memory_samples(self) -> list[ReceivedSample]:
+        """Every accepted request's memory samples (``memory_samples``)."""
+        return [s for request in self.requests() for s in memory_samples(request)]
 
     @property
     def url(self) -> str:
@@ -340,9 +433,10 @@ class GrpcProfilesReceiver:
         self.metadata.append(dict(context.invocation_metadata()))
         return b""
 
-    def samples(self) -> list[ReceivedSample]:
-        """Every sample of every accepted request, flattened."""
-        return [s for request in list(self.requests) for s in flatten(request)]
+    def samples(self, kind: str | None = CPU_PROFILE_TYPE) -> list[ReceivedSample]:
+        """Every sample of every accepted request's profiles of type ``kind`` (default CPU;
+        ``None``: all), flattened."""
+        return _samples(list(self.requests), kind)
 
     def __enter__(self) -> GrpcProfilesReceiver:
         self.server.start()

@@ -30,6 +30,7 @@ COMPOSE = REPO / "docker-compose.yml"
 DEPLOY = REPO / "deploy"
 
 CPU_PROFILE = "process_cpu:cpu:nanoseconds:cpu:nanoseconds"
+MEMORY_PROFILE = "memory:alloc_space:bytes:space:bytes"
 # The first Pyroscope server that keeps trace_id out of series labels (grafana/pyroscope#5220).
 PYROSCOPE_MIN = (2, 0, 3)
 # Long-running services whose images have nothing inside to run a probe with.
@@ -426,7 +427,9 @@ def collector_problems(stack: Stack) -> list[str]:
 def datasource_problems(stack: Stack) -> list[str]:
     """Datasources whose cross-references (exemplars → Tempo → Pyroscope) do not line up."""
     problems = []
-    by_type = {ds["type"]: ds for ds in stack.datasources["datasources"]}
+    by_type: dict[str, Any] = {}
+    for ds in stack.datasources["datasources"]:
+        by_type.setdefault(ds["type"], ds)  # the first of each type: the one the others name
     uids = [ds["uid"] for ds in stack.datasources["datasources"]]
     if len(set(uids)) != len(uids):
         problems.append(f"datasource uids are not unique: {uids}")
@@ -453,6 +456,18 @@ def datasource_problems(stack: Stack) -> list[str]:
     metrics = tempo.get("jsonData", {}).get("tracesToMetrics")
     if metrics is not None and metrics.get("datasourceUid") != prometheus["uid"]:
         problems.append("tracesToMetrics.datasourceUid is not the Prometheus datasource uid")
+    memory = [
+        ds["jsonData"]["tracesToProfiles"]
+        for ds in stack.datasources["datasources"]
+        if ds["type"] == "tempo"
+        and (ds.get("jsonData", {}).get("tracesToProfiles") or {}).get("profileTypeId")
+        == MEMORY_PROFILE
+    ]
+    if not memory:
+        problems.append(f"no Tempo datasource links spans to {MEMORY_PROFILE}")
+    for link in memory:
+        if link.get("datasourceUid") != pyroscope["uid"] or link.get("customQuery") is not False:
+            problems.append("the memory tracesToProfiles must select Pyroscope by span id")
     destinations = prometheus.get("jsonData", {}).get("exemplarTraceIdDestinations") or []
     if not destinations:
         problems.append("Prometheus has no exemplarTraceIdDestinations")
@@ -526,6 +541,10 @@ def dashboard_problems(stack: Stack) -> list[str]:
     ]
     if not flames:
         problems.append("no flame graph panel filtered by span_name")
+    selectors = " ".join(t.get("labelSelector", "") for p in flames for t in _targets(p))
+    for side in ("breached", "ok"):
+        if f'slo="{side}"' not in selectors:
+            problems.append(f"no span_name flame graph of the slo={side} requests to compare")
     return problems
 
 
@@ -815,6 +834,12 @@ def _run_as_root(stack: Stack) -> None:
             id="profiles-link-to-tempo",
         ),
         pytest.param(
+            _set(f"{_DS}.2.jsonData.tracesToProfiles.profileTypeId", CPU_PROFILE),
+            "datasources",
+            "memory",
+            id="no-memory-span-link",
+        ),
+        pytest.param(
             _set(f"{_EXEMPLAR}.name", "traceID"), "datasources", "trace_id", id="exemplar-label"
         ),
         pytest.param(
@@ -828,6 +853,12 @@ def _run_as_root(stack: Stack) -> None:
             "dashboard",
             "unknown datasource",
             id="dashboard-unknown-uid",
+        ),
+        pytest.param(
+            _set("dashboard.panels.9.targets.0.labelSelector", '{span_name="$span_name"}'),
+            "dashboard",
+            "slo=ok",
+            id="no-breach-comparison",
         ),
         pytest.param(
             _set("dashboard.panels.1.targets.0.exemplar", False),

@@ -9,6 +9,7 @@ import gc
 import importlib
 import importlib.util
 import inspect
+import subprocess
 import sys
 import threading
 import traceback
@@ -602,6 +603,33 @@ def test_engine_hooks_asyncio_handles_with_the_c_hook() -> None:
     finally:
         _engine.uninstall_label_engine()
     assert asyncio.Handle._run is original
+
+
+def test_the_c_hook_looks_like_the_method_it_replaces() -> None:
+    """Code reading ``Handle._run.__code__`` at import (playwright) works with the engine on."""
+    hook_type()
+    original = asyncio.Handle._run
+    _engine.install_label_engine(RecorderBackend())
+    try:
+        hooked: Any = asyncio.Handle._run
+        assert hooked.__code__ is original.__code__
+        assert hooked.__name__ == original.__name__
+        assert hooked.__qualname__ == original.__qualname__
+        assert hooked.__module__ == original.__module__
+    finally:
+        _engine.uninstall_label_engine()
+    if importlib.util.find_spec("playwright") is None:
+        return
+    # Importing playwright with the engine on raised AttributeError: '...HandleRunHook' object
+    # has no attribute '__code__'. In a process of its own: playwright is imported once.
+    script = (
+        "from spanprof import RecorderBackend\n"
+        "from spanprof._labels import _engine\n"
+        "_engine.install_label_engine(RecorderBackend())\n"
+        "import playwright.sync_api\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize("state_kind", ["ThreadLabels", "threading.local"])

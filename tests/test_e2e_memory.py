@@ -17,6 +17,13 @@ from spanprof._profiling._samplers._memory import memory_unavailable_reason
 from .conftest import MEMORY_VERSIONS, require
 from .e2e.memory_app import BLOCK, KEEP_EVERY, alloc_index
 from .e2e.server import free_port, serve, uvicorn_argv
+from .otlp_profiles import (
+    MEMORY_PROFILE_TYPES,
+    OtlpProfilesReceiver,
+    memory_samples,
+    profile_type,
+    resource_attributes,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engine, MEMORY_VERSIONS]
 
@@ -42,31 +49,88 @@ def _bound(truth_bytes: float, sigmas: float = 4.0) -> float:
     return sigmas * math.sqrt((1 - p) / expected_samples) + 0.02
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_memory_samples_carry_the_allocating_requests_labels(loop: str, tmp_path: Path) -> None:
-    """>= 99% of request bytes carry exactly their request's labels; estimates match the truth."""
+def _serve(
+    loop: str, tmp_path: Path, env: dict[str, str]
+) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+    """The memory app under uvicorn with ``env``, 16 requests at once: their answers, stats."""
     require(sys.platform.startswith("linux"), "the exact profiler needs Linux")
     reason = memory_unavailable_reason()
     require(reason is None, reason or "")
     port = free_port()
+    env = {
+        **env,
+        "PYROSCOPE_UPLOAD_INTERVAL": "1",
+        # More samples than the default 512 KiB, so that per-request bounds are tight.
+        "SPANPROF_ALLOC_SAMPLE_BYTES": str(SAMPLE_BYTES),
+    }
+    with serve(
+        uvicorn_argv("tests.e2e.memory_app:app", port, loop),
+        health_url=f"http://127.0.0.1:{port}/health",
+        env=env,
+        log_path=tmp_path / "server.log",
+    ):
+        return asyncio.run(_fire(f"http://127.0.0.1:{port}", CONCURRENCY))
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_memory_samples_carry_the_allocating_requests_labels(loop: str, tmp_path: Path) -> None:
+    """>= 99% of request bytes carry exactly their request's labels; estimates match the truth."""
     with PushReceiver() as receiver:
         env = {
             "PYROSCOPE_SERVER_ADDRESS": receiver.url,
             "PYROSCOPE_APPLICATION_NAME": "e2e-memory",
-            "PYROSCOPE_UPLOAD_INTERVAL": "1",
-            # More samples than the default 512 KiB, so that per-request bounds are tight.
-            "SPANPROF_ALLOC_SAMPLE_BYTES": str(SAMPLE_BYTES),
         }
-        with serve(
-            uvicorn_argv("tests.e2e.memory_app:app", port, loop),
-            health_url=f"http://127.0.0.1:{port}/health",
-            env=env,
-            log_path=tmp_path / "server.log",
-        ):
-            results, stats = asyncio.run(_fire(f"http://127.0.0.1:{port}", CONCURRENCY))
+        results, stats = _serve(loop, tmp_path, env)
         pushes = receiver.received_pushes()
         samples = receiver.samples("memory")
         assert receiver.errors == []
+    last = next(
+        push
+        for push in reversed(pushes)
+        if any(series.label("__name__") == "memory" for series in push.series)
+    )
+    _check(loop, tmp_path, results, stats, samples, _memory_samples(last))
+
+
+def test_otlp_memory_profiles_link_each_requests_allocations_to_its_span(tmp_path: Path) -> None:
+    """SPANPROF_PROFILES_EXPORTER=otlp: the same, as OTLP memory profiles decoded with
+    opentelemetry-proto's classes, the model's rules kept, each allocation's Link its span."""
+    with OtlpProfilesReceiver() as receiver:
+        env = {
+            "SPANPROF_PROFILES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT": receiver.url,
+            "OTEL_SERVICE_NAME": "e2e-memory-otlp",
+        }
+        results, stats = _serve("asyncio", tmp_path, env)
+        requests = receiver.requests()
+        assert receiver.errors == []
+    memory = [
+        request
+        for request in requests
+        if any(profile_type(request, p) in MEMORY_PROFILE_TYPES for p in _profiles_of(request))
+    ]
+    assert memory, requests
+    assert {resource_attributes(r)["service.name"] for r in memory} == {"e2e-memory-otlp"}
+    # (stats are read before the flush at shutdown, which sends most of the memory)
+    assert stats["memory_otlp_dropped"] == stats["memory_otlp_rejected"] == 0, stats
+    samples = [s for request in memory for s in memory_samples(request)]
+    _check("otlp", tmp_path, results, stats, samples, memory_samples(memory[-1]))
+
+
+def _profiles_of(request: Any) -> list[Any]:
+    return [p for rp in request.resource_profiles for sp in rp.scope_profiles for p in sp.profiles]
+
+
+def _check(
+    loop: str,
+    tmp_path: Path,
+    results: dict[int, dict[str, Any]],
+    stats: dict[str, Any],
+    samples: list[ReceivedSample],
+    last: list[ReceivedSample],
+) -> None:
+    """Every upload's memory ``samples`` and the ``last`` upload's (the flush at shutdown)
+    against what each request says it allocated and kept."""
     log = (tmp_path / "server.log").read_text()
     assert "Traceback" not in log, log
     assert stats["mode"] == "exact", stats
@@ -76,6 +140,7 @@ def test_memory_samples_carry_the_allocating_requests_labels(loop: str, tmp_path
     assert len({labels["span_id"] for labels in expected.values()}) == CONCURRENCY
 
     exact = wrong = unlabelled = double = background = background_labelled = 0
+    slo_labelled = 0
     allocated: dict[int, int] = {}
     for sample in samples:
         alloc_space = sample.values[1]
@@ -92,6 +157,12 @@ def test_memory_samples_carry_the_allocating_requests_labels(loop: str, tmp_path
         if index is None:
             continue
         allocated[index] = allocated.get(index, 0) + alloc_space
+        # The request's allocations waited for its SLO verdict (and in-use memory, a snapshot,
+        # carries none).
+        if tuple(sample.label_values("slo")) in (("ok",), ("breached",)):
+            slo_labelled += alloc_space
+        elif sample.label_values("slo"):
+            wrong += alloc_space
         want = expected[index]
         if not spans:
             unlabelled += alloc_space
@@ -107,6 +178,7 @@ def test_memory_samples_carry_the_allocating_requests_labels(loop: str, tmp_path
     request_total = exact + wrong + unlabelled
     assert request_total > 0, summary
     assert exact / request_total >= 0.99, summary
+    assert slo_labelled / request_total >= 0.99, (slo_labelled, summary)
     assert double == 0, summary
     assert background > 0, summary
     assert background_labelled == 0, summary
@@ -118,13 +190,8 @@ def test_memory_samples_carry_the_allocating_requests_labels(loop: str, tmp_path
     assert sum(allocated.values()) == pytest.approx(pooled, rel=_bound(pooled))
 
     # In use at the last upload (the flush at shutdown): the kept quarter, not the freed rest.
-    last = next(
-        push
-        for push in reversed(pushes)
-        if any(series.label("__name__") == "memory" for series in push.series)
-    )
     inuse: dict[int, int] = {}
-    for sample in _memory_samples(last):
+    for sample in last:
         index = alloc_index([frame.function for frame in sample.stack])
         if index is not None and sample.label_values("span_id") == (expected[index]["span_id"],):
             inuse[index] = inuse.get(index, 0) + sample.values[3]

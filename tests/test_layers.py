@@ -34,11 +34,13 @@ FLOORS: dict[str, int] = {
     "testing": 5,
 }
 
-# Inside profiling the data moves samplers -> encoders -> exporters -> backends -> the chooser.
+# Inside profiling the data moves samplers -> the SLO hold -> encoders -> exporters -> backends
+# -> the chooser.
 PROFILING_FLOORS: dict[str, int] = {
     "_window": 0,
     "_samplers": 1,
     "_settings": 1,
+    "_hold": 2,
     "_encoders": 2,
     "_exporters": 3,
     "_pyroscope": 4,

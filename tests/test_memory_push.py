@@ -12,6 +12,7 @@ import textwrap
 from collections.abc import Callable
 from itertools import repeat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,12 +123,15 @@ def _available() -> None:
     require(reason is None, reason or "")
 
 
-def _push_memory(url: str, sample_bytes: int) -> list[bytes]:
+def _push_memory(url: str, sample_bytes: int, **options: Any) -> dict[str, float]:
+    """Allocations kept under KEPT and freed under FREED, sent at shutdown by an exact backend
+    with ``options`` (e.g. ``exporters=``); its stats after shutdown."""
     backend = ExactBackend(
         server_address=url,
         application_name="unit",
         upload_interval=3600,
         alloc_sample_bytes=sample_bytes,
+        **options,
     )
     runtime = ProfilerRuntime(backend)
     runtime.start()
@@ -143,7 +147,7 @@ def _push_memory(url: str, sample_bytes: int) -> list[bytes]:
         runtime.stop()
     assert stats["memory_samples"] > 0, stats
     assert len(kept) == 20_000
-    return kept
+    return backend.stats()
 
 
 @pytest.mark.engine
@@ -160,6 +164,12 @@ def test_exact_backend_pushes_memory_labelled_by_span() -> None:
     assert len(series) == 1
     assert series[0].label("__delta__") == "false"
     assert series[0].label("service_name") == "unit"
+    check_kept_and_freed(samples, mean)
+
+
+def check_kept_and_freed(samples: list[ReceivedSample], mean: int) -> None:
+    """``_push_memory``'s samples: each span's allocations and in-use memory, kept blocks in use,
+    freed ones not, every linked sample with its trace."""
     kept = _memory_rows(samples, "keeps_memory")
     freed = _memory_rows(samples, "frees_memory")
     assert set(kept) == {KEPT["span_id"]}, kept

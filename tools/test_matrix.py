@@ -40,6 +40,8 @@ TEST_DEPS = [
     "httpx>=0.27",
     "hypercorn>=0.17",
     "hypothesis>=6.100",
+    # The OTLP receivers in the tests decode with opentelemetry-proto's own classes.
+    "opentelemetry-proto>=1.30,<2",
     "trio>=0.25",
     "uvloop>=0.19",
     "uvicorn>=0.30",

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from ._labelset import LabelSet
 
-__all__ = ["ProfilerBackend", "ReadsMainThreadContext"]
+__all__ = ["EndsSpans", "ProfilerBackend", "ReadsMainThreadContext", "SpanUsage"]
 
 
 @runtime_checkable
@@ -46,3 +46,22 @@ class ReadsMainThreadContext(Protocol):
     @property
     def needs_step_hooks(self) -> bool:
         """Whether main-thread event loops still need per-step label pushes."""
+
+
+class SpanUsage(NamedTuple):
+    """What a request's own samples account for when its span ends."""
+
+    cpu_ns: int
+    alloc_bytes: int | None = None
+
+
+@runtime_checkable
+class EndsSpans(Protocol):
+    """A backend told when each request's span ends, with its SLO verdict.
+
+    ``ExactBackend`` labels the span's samples ``slo=breached`` or ``slo=ok`` from the verdict
+    (holding them until then) and returns the CPU they account for.
+    """
+
+    def end_span(self, span_id: str, breached: bool | None) -> SpanUsage | None:
+        """The span ``span_id`` ends; ``breached`` is its verdict (``None``: not timed)."""

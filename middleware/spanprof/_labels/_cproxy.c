@@ -956,9 +956,29 @@ hook_get_replaces(HookObject *self, void *Py_UNUSED(closure))
     return PyBool_FromLong(self->report != NULL);
 }
 
+/* What code that introspects Handle._run reads of a function (playwright takes its __code__
+ * at import): the original's, so the class attribute still looks like the method it was. */
+static PyObject *
+hook_get_original_attribute(HookObject *self, void *closure)
+{
+    if (self->orig == NULL) {
+        PyErr_SetString(PyExc_AttributeError, (const char *)closure);
+        return NULL;
+    }
+    return PyObject_GetAttrString(self->orig, (const char *)closure);
+}
+
 static PyGetSetDef hook_getset[] = {
     {"__wrapped__", (getter)hook_get_wrapped, NULL, PyDoc_STR("The original Handle._run."),
      NULL},
+    {"__code__", (getter)hook_get_original_attribute, NULL,
+     PyDoc_STR("The original Handle._run's code."), "__code__"},
+    {"__name__", (getter)hook_get_original_attribute, NULL,
+     PyDoc_STR("The original Handle._run's name."), "__name__"},
+    {"__qualname__", (getter)hook_get_original_attribute, NULL,
+     PyDoc_STR("The original Handle._run's qualified name."), "__qualname__"},
+    {"__module__", (getter)hook_get_original_attribute, NULL,
+     PyDoc_STR("The original Handle._run's module."), "__module__"},
     {"replaces", (getter)hook_get_replaces, NULL,
      PyDoc_STR("True: runs handles itself; False: calls the original after the sync."), NULL},
     {NULL, NULL, NULL, NULL, NULL},

@@ -3,7 +3,7 @@
 import asyncio
 from collections.abc import Callable, Coroutine, Generator
 from contextvars import ContextVar
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, final
 
 from ._labelset import LabelSet
@@ -39,6 +39,10 @@ class HandleRunHook:
     """A replacement for ``asyncio.Handle._run`` that syncs labels first; binds like a function."""
 
     __wrapped__: Callable[[asyncio.Handle], None]
+    # The original's, for code that introspects Handle._run as a function.
+    __code__: CodeType
+    __name__: str
+    __qualname__: str
     def __new__(
         cls,
         run: Callable[[asyncio.Handle], None],

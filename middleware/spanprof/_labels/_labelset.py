@@ -28,7 +28,7 @@ __all__ = [
 _KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 # Keys spanprof owns, or that Pyroscope itself uses for series identity.
-RESERVED_KEYS = frozenset({"span_id", "trace_id", "span_name", "service_name", "__name__"})
+RESERVED_KEYS = frozenset({"span_id", "trace_id", "span_name", "slo", "service_name", "__name__"})
 
 MAX_KEY_LENGTH = 128
 MAX_VALUE_LENGTH = 256
@@ -49,7 +49,7 @@ def validate_key(key: str, *, setting: str = "label key", allow_reserved: bool =
         )
     if key.startswith("__") or (not allow_reserved and key in RESERVED_KEYS):
         raise ValueError(
-            f"{setting}: {key!r} is reserved (spanprof sets span_id, trace_id and span_name "
+            f"{setting}: {key!r} is reserved (spanprof sets span_id, trace_id, span_name and slo "
             "itself; service_name and keys starting with '__' belong to Pyroscope)"
         )
     return key

@@ -27,6 +27,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
 from .._profiling._runtime import stop_started
+from ._compare import SloComparison
 from ._receiver import PushReceiver, ReceivedPush
 from ._samples import SampleStore
 from ._slo import SloPolicy, policy_env, policy_from
@@ -130,14 +131,20 @@ class LocalMode:
             service_name or self.environ.get("OTEL_SERVICE_NAME", "").strip() or "spanprof-dev"
         )
         self.spans = SpanStore(self.policy, max_bytes=_MAX_SPAN_BYTES)
-        self.samples = SampleStore(max_bytes=_MAX_SAMPLE_BYTES)
+        self.comparison = SloComparison()
+        self.samples = SampleStore(max_bytes=_MAX_SAMPLE_BYTES, comparison=self.comparison)
         self.receiver = PushReceiver(
             on_push=self._on_push,
             max_body_bytes=_MAX_PUSH_BYTES,
             max_inflated_bytes=_MAX_INFLATED_PUSH_BYTES,
         )
         self.ui = UiServer(
-            self.spans, self.samples, status=self._status, host=ui_host, port=ui_port
+            self.spans,
+            self.samples,
+            status=self._status,
+            host=ui_host,
+            port=ui_port,
+            comparison=self.comparison,
         )
         self._errors: deque[str] = deque(maxlen=50)
         self._saved_env: dict[str, str | None] = {}

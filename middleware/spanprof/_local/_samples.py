@@ -20,11 +20,13 @@ from typing import Any
 
 from .._profiling._encoders._pprof import ProfileBuilder
 from .._profiling._window import Frame
+from ._compare import SloComparison
 from ._receiver import ReceivedPush
 
 __all__ = ["SampleStore", "SpanProfile"]
 
 _CPU_TYPE = ("cpu", "nanoseconds")
+_ALLOC_TYPE = ("alloc_space", "bytes")
 _DEFAULT_PERIOD_NS = 10_000_000
 # Longer than any real function, file or span name; an upload's strings can be megabytes.
 _MAX_NAME = 1024
@@ -108,6 +110,8 @@ class SampleStore:
             default recursion limit lets a program reach.
         max_bytes: estimated memory of everything kept; past it the least recently updated
             span ids are dropped (counted as ``evicted_spans`` in ``status()``).
+        comparison: also fed every request sample with its ``span_name`` and ``slo`` labels
+            (the breach-vs-ok comparison per route), with its own bound.
     """
 
     def __init__(
@@ -117,12 +121,14 @@ class SampleStore:
         max_stacks_per_span: int = 2000,
         max_depth: int = 2048,
         max_bytes: int = 64 * 1024 * 1024,
+        comparison: SloComparison | None = None,
     ) -> None:
         if max_depth < 3:
             raise ValueError(
                 f"max_depth: expected at least 3 (leaf, marker, root), got {max_depth}"
             )
         self._lock = threading.Lock()
+        self._comparison = comparison
         self._spans: OrderedDict[str, SpanProfile] = OrderedDict()
         self._max_spans = max_spans
         self._max_stacks = max_stacks_per_span
@@ -138,14 +144,20 @@ class SampleStore:
         self._span_bytes: dict[str, int] = {}
         self._stack_bytes = 0
         self._evicted = 0
+        # span id -> bytes allocated (estimates from the memory profiles), newest last.
+        self._allocated: OrderedDict[str, int] = OrderedDict()
 
     def ingest(self, push: ReceivedPush) -> None:
         """Split one accepted push by span id (the receiver's ``on_push`` callback)."""
         with self._lock:
             self._totals.pushes += 1
             for series in push.series:
-                if series.label("__name__") not in (None, "process_cpu"):
-                    continue  # memory profiles carry no labels
+                name = series.label("__name__")
+                if name == "memory":
+                    self._add_memory(series.profiles)
+                    continue
+                if name not in (None, "process_cpu"):
+                    continue
                 service = (series.label("service_name") or "")[:_MAX_NAME]
                 services = self._totals.services
                 if service and (service in services or len(services) < _MAX_SERVICES):
@@ -158,6 +170,33 @@ class SampleStore:
                     for sample in profile.samples:
                         self._add(sample.stack, sample.value, sample.labels, service, push)
             self._enforce_bytes()
+
+    def _add_memory(self, profiles: Any) -> None:
+        # Memory profiles are not drawn: the page shows what each span allocated, in bytes.
+        for profile in profiles:
+            if _ALLOC_TYPE not in profile.sample_types:
+                continue
+            index = profile.sample_types.index(_ALLOC_TYPE)
+            for sample in profile.samples:
+                value = sample.values[index] if index < len(sample.values) else 0
+                if value <= 0:
+                    continue
+                for key, span_id in sample.labels:
+                    if key == "span_id" and len(span_id) <= _MAX_ID:
+                        allocated = self._allocated
+                        if span_id in allocated:
+                            allocated[span_id] += value
+                            allocated.move_to_end(span_id)
+                        else:
+                            allocated[span_id] = value
+                            if len(allocated) > self._max_spans:
+                                allocated.popitem(last=False)
+                        break
+
+    def allocated_bytes(self, span_id: str) -> int:
+        """Bytes ``span_id`` allocated, from the memory profiles received (0 when none)."""
+        with self._lock:
+            return self._allocated.get(span_id, 0)
 
     def _add(
         self,
@@ -176,7 +215,11 @@ class SampleStore:
         if len(set(span_ids)) > 1:
             totals.double_labelled_ns += value
         label_map = dict(labels)
-        kept: tuple[Frame, ...] | None = None
+        kept = self._keep(stack)
+        comparison = self._comparison
+        span_name = label_map.get("span_name")
+        if comparison is not None and span_name:
+            comparison.add(kept, value, span_name[:_MAX_NAME], label_map.get("slo"))
         for span_id in dict.fromkeys(span_ids):
             profile = self._spans.get(span_id)
             if profile is None:
@@ -194,8 +237,6 @@ class SampleStore:
                 self._spans.move_to_end(span_id)
             profile.last_seen = push.received_at
             profile.total_ns += value
-            if kept is None:
-                kept = self._keep(stack)
             # Each lookup hashes the whole stack again (tuples do not cache their hash).
             stacks = profile.stacks
             previous = stacks.get(kept)

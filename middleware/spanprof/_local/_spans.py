@@ -36,7 +36,12 @@ _SHOWN_ATTRIBUTES = (
     "pyroscope.profile.id",
     "spanprof.slo.breached",
     "spanprof.slo.threshold_s",
+    "spanprof.cpu_time_s",
+    "spanprof.alloc_bytes",
 )
+
+# Server span names whose requests are counted per SLO verdict (for the route comparison).
+_MAX_ROUTES = 256
 
 
 # Longer than any name or URL worth showing; the rest of a megabyte attribute is not kept.
@@ -170,6 +175,8 @@ class SpanStore(SpanProcessor):
         self._evicted_traces = 0
         self._evicted_requests = 0
         self._spans_seen = 0
+        # Server span name -> [breached, ok] requests since start.
+        self._verdicts: dict[str, list[int]] = {}
 
     # -- SpanProcessor -------------------------------------------------------------------------
 
@@ -213,6 +220,11 @@ class SpanStore(SpanProcessor):
                     self._evicted_requests += 1
                 if record.breached:
                     self._breaches.append(record)
+                counts = self._verdicts.get(record.name)
+                if counts is None and len(self._verdicts) < _MAX_ROUTES:
+                    counts = self._verdicts[record.name] = [0, 0]
+                if counts is not None:
+                    counts[0 if record.breached else 1] += 1
 
     def shutdown(self) -> None:
         """Nothing to release."""
@@ -285,6 +297,12 @@ class SpanStore(SpanProcessor):
             records = list(self._breaches)
         records.reverse()
         return records[:limit]
+
+    def verdicts(self, name: str) -> dict[str, int]:
+        """Requests served under span name ``name`` since start, by SLO verdict."""
+        with self._lock:
+            breached, ok = self._verdicts.get(name, (0, 0))
+        return {"breached": breached, "ok": ok}
 
     def request_count(self) -> int:
         """Server spans currently kept."""

@@ -12,7 +12,10 @@ Routes (all ``GET``):
 - ``/api/latency?since=UNIX``: server-span latencies over time, breaches flagged;
 - ``/api/flamegraph?span_id=ID``: a d3-flame-graph tree of the samples labelled ``ID``;
 - ``/api/trace?trace_id=ID``: the spans of a trace, by start time;
-- ``/api/pprof?span_id=ID``: the same samples as a gzip-compressed pprof download.
+- ``/api/pprof?span_id=ID``: the same samples as a gzip-compressed pprof download;
+- ``/api/compare``: the routes with ``slo``-labelled samples, each side's requests and CPU;
+- ``/api/compare?route=NAME``: that route's breaching requests against its good ones, per
+  request: functions ranked by extra self CPU, and a differential flame graph.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from .._logging import log_once
+from ._compare import SloComparison
 from ._samples import SampleStore
 from ._slo import describe
 from ._spans import SpanRecord, SpanStore
@@ -205,6 +209,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 _ApiResult = tuple[int, bytes, str, dict[str, str]]
+_NUMBERS = ("delta", "ok_value")
 
 
 def _ok(payload: Any, status: int = 200) -> _ApiResult:
@@ -225,9 +230,11 @@ def _tree_json(root: dict[str, Any]) -> str:
         if isinstance(item, str):
             out.append(item)
             continue
+        # A differential tree's frames also carry their delta and the other side's value.
+        extra = "".join(f'"{key}": {int(item[key])}, ' for key in _NUMBERS if key in item)
         out.append(
             f'{{"name": {json.dumps(item["name"])}, "file": {json.dumps(item["file"])}, '
-            f'"value": {int(item["value"])}, "children": ['
+            f'"value": {int(item["value"])}, {extra}"children": ['
         )
         todo.append("]}")
         children = item["children"]
@@ -244,6 +251,7 @@ class UiServer:
     Arguments:
         spans: the span store (server spans, breaches, traces).
         samples: the sample store (flame graphs, pprof).
+        comparison: the breach-vs-ok comparison per route (none: ``/api/compare`` is empty).
         status: extra counters for ``/api/status`` (receiver errors, app URL...).
         host, port: where to listen; loopback by default, port 0 picks a free one.
     """
@@ -256,9 +264,11 @@ class UiServer:
         status: Callable[[], dict[str, Any]] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        comparison: SloComparison | None = None,
     ) -> None:
         self.spans = spans
         self.samples = samples
+        self.comparison = comparison
         self._extra_status = status
         self.host = host
         self._port = port
@@ -279,6 +289,7 @@ class UiServer:
             "/api/flamegraph": self._flamegraph,
             "/api/trace": self._trace,
             "/api/pprof": self._pprof,
+            "/api/compare": self._compare,
         }
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -333,6 +344,7 @@ class UiServer:
     def _breach_json(self, record: SpanRecord) -> dict[str, Any]:
         item = record.to_json()
         item["profile_ns"] = self.samples.sample_total(record.span_id)
+        item["alloc_bytes"] = self.samples.allocated_bytes(record.span_id)
         return item
 
     def _status(self, query: dict[str, str]) -> _ApiResult:
@@ -391,6 +403,7 @@ class UiServer:
                 "stacks": len(profile.stacks) if profile is not None else 0,
                 "period_ns": self.samples.status()["period_ns"],
                 "span": record.to_json() if record is not None else None,
+                "alloc_bytes": self.samples.allocated_bytes(span_id),
             }
         )
         # The tree is as deep as the deepest stack: it goes in through _tree_json.
@@ -417,6 +430,42 @@ class UiServer:
             return _ok({"error": f"no profile samples for span {span_id} (yet)"}, 404)
         headers = {"Content-Disposition": f'attachment; filename="spanprof-{span_id}.pb.gz"'}
         return 200, data, "application/octet-stream", headers
+
+    def _compare(self, query: dict[str, str]) -> _ApiResult:
+        comparison = self.comparison
+        route = query.get("route")
+        if route is None:
+            routes = [] if comparison is None else comparison.routes()
+            return _ok(
+                {
+                    "routes": [
+                        {
+                            "route": name,
+                            "requests": self.spans.verdicts(name),
+                            "sampled_ns": comparison.sampled_ns(name),
+                        }
+                        for name in routes
+                        if comparison is not None
+                    ]
+                }
+            )
+        limit = _int(query.get("limit"), 50, 1, 500)
+        result = (
+            None
+            if comparison is None
+            else comparison.compare(route, self.spans.verdicts(route), limit=limit)
+        )
+        if result is None:
+            return _ok({"error": f"no slo-labelled samples for route {route[:200]!r} (yet)"}, 404)
+        tree = result.pop("flamegraph")
+        head = json.dumps(result)
+        # The tree is as deep as the deepest stack: it goes in through _tree_json.
+        return (
+            200,
+            f'{head[:-1]}, "flamegraph": {_tree_json(tree)}}}'.encode(),
+            "application/json",
+            {},
+        )
 
 
 def _int(raw: str | None, default: int, low: int, high: int) -> int:

@@ -9,23 +9,29 @@ dashboards and Grafana's trace-to-profile links work unchanged.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from .._config import parse_bool, parse_int
+from .._labels._backend import SpanUsage
 from .._labels._labelset import LabelSet
 from .._logging import logger
 from ._encoders._memory import MemoryEncoder, memory_series_labels
+from ._encoders._otlp import OtlpEncoder
+from ._encoders._otlp_memory import OtlpMemoryEncoder
 from ._encoders._window import series_labels
 from ._exporters._fanout import WindowExporter, WindowFanout, stop_all
-from ._exporters._otlp import OtlpExporter, OtlpSettings
-from ._exporters._pusher import Pusher
+from ._exporters._otlp import OtlpEncoderFactory, OtlpExporter, OtlpSettings
+from ._exporters._pusher import Pusher, StepEncoder
+from ._hold import SloHold
 from ._pyroscope import PyroscopeBackend
 from ._samplers._memory import DEFAULT_SAMPLE_BYTES, MemorySampler, MemorySamplerUnavailable
 from ._samplers._signal import CLOCKS, Sampler, SamplerUnavailable, os_thread_ident
 from ._settings import PyroscopeSettings, WithPyroscopeSettings
+from ._window import Window
 
 __all__ = ["EXPORTERS", "ExactBackend", "parse_exporters"]
 
@@ -78,9 +84,12 @@ class ExactBackend(WithPyroscopeSettings):
     only: no other thread is interrupted or has to block the signal.
 
     With ``memory=True`` (the default) it also samples allocations (about one per
-    ``alloc_sample_bytes`` allocated) with the stack and labels of the code that allocated them,
-    and pushes them as Pyroscope's ``memory`` profile type (allocated objects and bytes per upload
-    window, in-use objects and bytes at upload), each sample labelled with the allocating span.
+    ``alloc_sample_bytes`` allocated) with the stack and labels of the code that allocated them:
+    allocated objects and bytes per upload window, in-use objects and bytes at upload, each
+    sample labelled with the allocating span. The ``pyroscope`` exporter pushes them as
+    Pyroscope's ``memory`` profile type, the ``otlp`` one as four OTLP profiles
+    (``alloc_objects``, ``alloc_space``, ``inuse_objects``, ``inuse_space``) whose samples link
+    to their spans, in a request of their own.
 
     Arguments:
         server_address: Pyroscope URL, e.g. ``http://pyroscope:4040``.
@@ -144,13 +153,16 @@ class ExactBackend(WithPyroscopeSettings):
         self.memory = memory
         self.alloc_sample_bytes = alloc_sample_bytes
         self._memory_sampler: MemorySampler | None = None
-        self._memory_pusher: Pusher | None = None
+        # The memory exporters, each with the prefix of its keys in stats().
+        self._memory_exporters: list[tuple[str, WindowExporter]] = []
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._sampler: Sampler | None = None
         self._idle_sampler: Sampler | None = None
         self._idle_pid: int | None = None
         self._exporters: list[WindowExporter] = []
+        self._hold: SloHold | None = None
+        self._memory_hold: SloHold | None = None
         self._fallback: PyroscopeBackend | None = None
         self._sink = _ignore
         # The thread whose labels the sampler reads itself (0: none, e.g. in fallback mode).
@@ -233,24 +245,28 @@ class ExactBackend(WithPyroscopeSettings):
 
     def stats(self) -> dict[str, float]:
         """Sampler and uploader counters: ticks, stall percentiles (µs), uploads, drops..."""
-        sampler, exporters = self._sampler, self._exporters
-        if sampler is None or not exporters or self._pid != os.getpid():
+        sampler, exporters, hold = self._sampler, self._exporters, self._hold
+        if sampler is None or hold is None or not exporters or self._pid != os.getpid():
             return dict(self._last_stats)
-        return {**self._stats_of(sampler, exporters), **self._memory_stats()}
+        return {**self._stats_of(sampler, hold, exporters), **self._memory_stats()}
 
     @staticmethod
-    def _stats_of(sampler: Sampler, exporters: list[WindowExporter]) -> dict[str, float]:
+    def _stats_of(
+        sampler: Sampler, hold: SloHold, exporters: list[WindowExporter]
+    ) -> dict[str, float]:
         stats = sampler.stats()
+        stats.update(hold.stats())
         for exporter in exporters:
             stats.update(exporter.stats())
         return stats
 
     def _memory_stats(self) -> dict[str, float]:
-        sampler, pusher = self._memory_sampler, self._memory_pusher
-        if sampler is None or pusher is None:
+        sampler, exporters = self._memory_sampler, self._memory_exporters
+        if sampler is None or not exporters:
             return {}
         stats = {f"memory_{name}": value for name, value in sampler.stats().items()}
-        stats.update((f"memory_push_{name}", value) for name, value in pusher.stats().items())
+        for prefix, exporter in exporters:
+            stats.update((prefix + name, value) for name, value in exporter.stats().items())
         return stats
 
     # --- ProfilerBackend -----------------------------------------------------------------------
@@ -266,9 +282,9 @@ class ExactBackend(WithPyroscopeSettings):
             if self._pid == pid:
                 return
             # After a fork the parent's objects are here, but not its threads or timer.
-            self._sampler = self._fallback = None
+            self._sampler = self._fallback = self._hold = self._memory_hold = None
             self._exporters = []
-            self._memory_pusher = None
+            self._memory_exporters = []
             self._sink = _ignore
             self._context_thread = 0
             sampler = self._idle_sampler
@@ -279,7 +295,9 @@ class ExactBackend(WithPyroscopeSettings):
             # Everything that can fail comes before the timer is armed, and whatever fails after
             # is undone: a failed start leaves no timer, no handler and no thread behind.
             exporters = self._new_exporters(sampler)
-            fanout = WindowFanout(sampler.take_window, len(exporters))
+            # Between sampler and exporters: samples wait for their request's SLO verdict.
+            hold = SloHold(sampler.take_window, max_windows=2)
+            fanout = WindowFanout(hold.take_window, len(exporters))
             for i, exporter in enumerate(exporters):
                 exporter.start(fanout.collector(i))
             try:
@@ -299,7 +317,9 @@ class ExactBackend(WithPyroscopeSettings):
                     "spanprof: profiling with pyroscope-io and the label engine (pid %d): the "
                     "exact sampler cannot run here, %s. Its samples may carry the labels of "
                     "whatever ran ~0.2 ms after the stack was read; serve requests from an event "
-                    "loop, gevent or a sync worker in the main thread to profile them exactly",
+                    "loop, gevent or a sync worker in the main thread to profile them exactly. "
+                    "Samples carry no slo label (breached/ok) and spans no spanprof.cpu_time_s: "
+                    "both need the exact sampler",
                     pid,
                     exc,
                 )
@@ -320,7 +340,7 @@ class ExactBackend(WithPyroscopeSettings):
                 sampler.stop()
                 raise
             else:
-                self._sampler, self._exporters = sampler, exporters
+                self._sampler, self._exporters, self._hold = sampler, exporters, hold
                 self._sink = sampler.set_thread_labels
                 self._ident = sampler.ident
                 self._context_thread = self._ident()
@@ -332,8 +352,7 @@ class ExactBackend(WithPyroscopeSettings):
                     "" if self.clock == "cpu" else ", wall clock",
                     " and ".join(self.exporters),
                 )
-                # Memory profiles are a Pyroscope push of their own (OTLP carries CPU only).
-                if self.memory and "pyroscope" in self.exporters:
+                if self.memory:
                     self._start_memory(pid)
             self._pid = pid
             if not self._atexit_registered:
@@ -345,31 +364,49 @@ class ExactBackend(WithPyroscopeSettings):
         exporters: list[WindowExporter] = []
         if "pyroscope" in self.exporters:
             exporters.append(
-                Pusher(
-                    server_address=self.server_address,
-                    labels=series_labels(self.application_name, self.tags),
+                self._pusher(
+                    series_labels(self.application_name, self.tags),
                     period_ns=1_000_000_000 // self.sample_rate,
-                    upload_interval=self.upload_interval,
-                    tenant_id=self.tenant_id,
-                    basic_auth_username=self.basic_auth_username,
-                    basic_auth_password=self.basic_auth_password,
-                    # Within ProfilerRuntime's 5 s shutdown budget, even with the server away.
-                    flush_timeout=2.0,
                 )
             )
         if self._otlp is not None:
-            exporters.append(
-                OtlpExporter(
-                    self._otlp,
-                    upload_interval=self.upload_interval,
-                    attributes=sorted(self.tags.items()),
-                    flush_timeout=2.0,
-                )
-            )
+            exporters.append(self._otlp_exporter(self._otlp))
         return exporters
 
+    def _pusher(
+        self,
+        labels: list[tuple[str, str]],
+        *,
+        period_ns: int,
+        encoder: Callable[[Window], StepEncoder] | None = None,
+    ) -> Pusher:
+        return Pusher(
+            server_address=self.server_address,
+            labels=labels,
+            period_ns=period_ns,
+            upload_interval=self.upload_interval,
+            tenant_id=self.tenant_id,
+            basic_auth_username=self.basic_auth_username,
+            basic_auth_password=self.basic_auth_password,
+            # Within ProfilerRuntime's 5 s shutdown budget, even with the server away.
+            flush_timeout=2.0,
+            encoder=encoder,
+        )
+
+    def _otlp_exporter(
+        self, settings: OtlpSettings, encoder: OtlpEncoderFactory = OtlpEncoder
+    ) -> OtlpExporter:
+        return OtlpExporter(
+            settings,
+            upload_interval=self.upload_interval,
+            attributes=sorted(self.tags.items()),
+            flush_timeout=2.0,
+            encoder=encoder,
+        )
+
     def _start_memory(self, pid: int) -> None:
-        # Allocation sampling with its own uploader: the memory series is a push of its own.
+        # Allocation sampling with exporters of its own: memory is a Pyroscope series of its own,
+        # and an OTLP request of its own (its failures and drops are not the CPU profiles').
         sampler = self._memory_sampler
         if sampler is None:
             sampler = self._memory_sampler = MemorySampler(sample_bytes=self.alloc_sample_bytes)
@@ -385,24 +422,32 @@ class ExactBackend(WithPyroscopeSettings):
             )
             return
         period = self.alloc_sample_bytes
-        pusher = Pusher(
-            server_address=self.server_address,
-            labels=memory_series_labels(self.application_name, self.tags),
-            period_ns=period,
-            upload_interval=self.upload_interval,
-            tenant_id=self.tenant_id,
-            basic_auth_username=self.basic_auth_username,
-            basic_auth_password=self.basic_auth_password,
-            flush_timeout=2.0,
-            encoder=lambda window: MemoryEncoder(window, period=period),
-        )
-        pusher.start(sampler.take_window)
-        self._memory_pusher = pusher
+        exporters: list[tuple[str, WindowExporter]] = []
+        if "pyroscope" in self.exporters:
+            pusher = self._pusher(
+                memory_series_labels(self.application_name, self.tags),
+                period_ns=period,
+                encoder=lambda window: MemoryEncoder(window, period=period),
+            )
+            exporters.append(("memory_push_", pusher))
+        if self._otlp is not None:
+            otlp = self._otlp_exporter(
+                self._otlp, functools.partial(OtlpMemoryEncoder, period=period)
+            )
+            exporters.append(("memory_", otlp))  # its keys start with otlp_ already
+        # Allocations wait for their request's SLO verdict too.
+        hold = SloHold(sampler.take_window, max_windows=2)
+        fanout = WindowFanout(hold.take_window, len(exporters))
+        for i, (_prefix, exporter) in enumerate(exporters):
+            exporter.start(fanout.collector(i))
+        self._memory_exporters = exporters
+        self._memory_hold = hold
         logger.info(
             "spanprof: memory profiles (pid %d): one allocation sampled per %d bytes on average, "
-            "labelled with the allocating span",
+            "labelled with the allocating span; exporting to %s",
             pid,
             period,
+            " and ".join(self.exporters),
         )
 
     def shutdown(self) -> None:
@@ -419,26 +464,42 @@ class ExactBackend(WithPyroscopeSettings):
             self._sink = _ignore
             self._context_thread = 0
             sampler, exporters, fallback = self._sampler, self._exporters, self._fallback
-            memory_pusher = self._memory_pusher
-            self._sampler = self._fallback = None
+            hold, memory_hold = self._hold, self._memory_hold
+            self._memory_hold = None
+            if memory_hold is not None:
+                memory_hold.close()
+            memory_exporters = [exporter for _prefix, exporter in self._memory_exporters]
+            self._sampler = self._fallback = self._hold = None
             self._exporters = []
             if sampler is not None:
                 sampler.stop()
-            flushing: threading.Thread | None = None
-            if memory_pusher is not None:
-                if self._memory_sampler is not None:
-                    self._memory_sampler.stop()
-                # All uploaders flush at once: shutdown stays within one flush budget.
-                flushing = threading.Thread(target=memory_pusher.stop, daemon=True)
-                flushing.start()
-            stop_all(exporters)
-            if flushing is not None:
-                flushing.join()
-            if sampler is not None and exporters:
-                self._last_stats = {**self._stats_of(sampler, exporters), **self._memory_stats()}
-            self._memory_pusher = None
+            if hold is not None:
+                hold.close()  # the last upload carries what waits for a verdict too
+            if memory_exporters and self._memory_sampler is not None:
+                self._memory_sampler.stop()
+            # All exporters flush at once, CPU and memory: shutdown stays within one flush budget.
+            stop_all([*exporters, *memory_exporters])
+            if sampler is not None and hold is not None and exporters:
+                self._last_stats = {
+                    **self._stats_of(sampler, hold, exporters),
+                    **self._memory_stats(),
+                }
+            self._memory_exporters = []
             if fallback is not None:
                 fallback.shutdown()
+
+    def end_span(self, span_id: str, breached: bool | None) -> SpanUsage | None:
+        """A request's span ends: label its samples with the verdict; the CPU they hold.
+
+        ``None`` when not sampling exactly (the pyroscope-io fallback has no hold).
+        """
+        sampler, hold, memory_hold = self._sampler, self._hold, self._memory_hold
+        if sampler is None or hold is None:
+            return None
+        hold.end_span(span_id, breached)
+        if memory_hold is not None:
+            memory_hold.end_span(span_id, breached)
+        return SpanUsage(sampler.span_cpu_ns(span_id))
 
     def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
         """The calling thread switched labels (thread-pool job start or end, mostly)."""

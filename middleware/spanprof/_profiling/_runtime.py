@@ -9,7 +9,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 
-from .._labels._backend import ProfilerBackend
+from .._labels._backend import EndsSpans, ProfilerBackend, SpanUsage
 from .._labels._engine import (
     Mechanism,
     install_label_engine,
@@ -59,6 +59,8 @@ class ProfilerRuntime:
         self.shutdown_timeout = shutdown_timeout
         self._lock = threading.Lock()
         self._pid: int | None = None
+        # Looked up once: the request path calls it on every request.
+        self._end_span = backend.end_span if isinstance(backend, EndsSpans) else None
 
     @property
     def started(self) -> bool:
@@ -97,13 +99,29 @@ class ProfilerRuntime:
                     logger.info(
                         "spanprof: profiling with pyroscope-io and the label engine (pid %d), as "
                         "configured; samples may carry the labels of whatever ran ~0.2 ms after "
-                        "the stack was read (unset SPANPROF_PROFILER for the exact sampler)",
+                        "the stack was read, and carry no slo label (unset SPANPROF_PROFILER for "
+                        "the exact sampler)",
                         pid,
                     )
             finally:
                 # Set last: until the engine feeds the backend, other threads' first requests
                 # wait in ensure_started() instead of setting labels nobody pushes.
                 self._pid = pid
+
+    def end_span(self, span_id: str, breached: bool | None) -> SpanUsage | None:
+        """Tell the backend a request's span ends (see ``EndsSpans``); never raises."""
+        end = self._end_span
+        if end is None:
+            return None
+        try:
+            return end(span_id, breached)
+        except Exception:
+            log_once(
+                f"backend-end-span-{id(self.backend)}",
+                "spanprof: the profiler failed to take a request's SLO verdict; its samples go "
+                "out without the slo label (logged once)",
+            )
+            return None
 
     def stop(self) -> None:
         """Uninstall the engine (if it feeds this backend) and flush the backend."""

@@ -85,16 +85,20 @@ class StackTables:
 class Window:
     """Samples of one upload interval: weight (ns) per ``(stack id, labels)``.
 
-    ``stack(sid)`` resolves a stack id to its frames, leaf first.
+    ``stack(sid)`` resolves a stack id to its frames, leaf first. Ids below zero name stacks
+    carried in ``foreign`` (samples held back from a window with other tables; see ``_hold``).
     """
 
     start_ns: int
     tables: StackTables
     values: dict[tuple[int, LabelSet], int] = field(default_factory=dict)
     end_ns: int = 0
+    foreign: dict[int, tuple[Frame, ...]] = field(default_factory=dict)
 
     def stack(self, sid: int) -> tuple[Frame, ...]:
         """The frames of stack ``sid``, leaf first."""
+        if sid < 0:
+            return self.foreign[sid]
         return self.tables.stacks[sid]
 
     def __len__(self) -> int:

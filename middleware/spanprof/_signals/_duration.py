@@ -23,6 +23,7 @@ from ._slo import SloPolicy
 
 __all__ = [
     "BREACH_ATTRIBUTE",
+    "CPU_TIME_BUCKETS",
     "DURATION_BUCKETS",
     "THRESHOLD_ATTRIBUTE",
     "DurationRecorder",
@@ -32,6 +33,11 @@ __all__ = [
 # OTel HTTP semantic conventions' advice for http.server.request.duration.
 DURATION_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)  # fmt: skip
+
+# CPU a request's own samples account for: at 100 Hz, 10 ms is one sample.
+CPU_TIME_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 
 BREACH_ATTRIBUTE = "spanprof.slo.breached"
@@ -74,6 +80,9 @@ def _attributes(
 class DurationRecorder:
     """Records one ``http.server.request.duration`` measurement per request.
 
+    With the exact profiler it also records ``http.server.request.cpu_time``: the CPU (s) the
+    request's own profile samples account for, with the same attributes.
+
     Arguments:
         meter_provider: where the histogram lives (default: the global provider).
         slo: the thresholds deciding which requests leave an exemplar.
@@ -94,6 +103,12 @@ class DurationRecorder:
             unit="s",
             description="Duration of HTTP server requests.",
             explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS),
+        )
+        self._cpu_histogram = meter.create_histogram(
+            "http.server.request.cpu_time",
+            unit="s",
+            description="CPU time of HTTP server requests, from their profile samples.",
+            explicit_bucket_boundaries_advisory=list(CPU_TIME_BUCKETS),
         )
         self.slo = slo
         self._sinks = extra_sinks
@@ -125,10 +140,12 @@ class DurationRecorder:
         exc: BaseException | None,
         span: Span,
         breached: bool | None = None,
+        cpu_seconds: float | None = None,
     ) -> None:
         """Record one request; mark and exemplify it if it breached its SLO. Never raises.
 
-        ``breached`` is what ``mark`` returned if the caller already marked the span.
+        ``breached`` is what ``mark`` returned if the caller already marked the span;
+        ``cpu_seconds`` what its samples account for (``None``: not known, not recorded).
         """
         try:
             failure = error_type(status_code, exc)
@@ -143,6 +160,8 @@ class DurationRecorder:
                 breached = self.mark(span, route, seconds)
             context = set_span_in_context(span) if breached else _NO_EXEMPLAR
             self._histogram.record(max(seconds, 0.0), attributes, context=context)
+            if cpu_seconds is not None:
+                self._cpu_histogram.record(cpu_seconds, attributes, context=context)
             for sink in self._sinks:
                 sink(seconds, attributes, span if breached else None)
         except Exception:

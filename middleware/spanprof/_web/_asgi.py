@@ -15,10 +15,11 @@ from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.trace import INVALID_SPAN, Span
 from opentelemetry.util.http import ExcludeList
 
-from .._labels._backend import ProfilerBackend
+from .._labels._backend import ProfilerBackend, SpanUsage
 from .._labels._engine import apply, attach_loop, run_steps_hooked, steps_hooked
 from .._labels._labelset import EMPTY, LABELS, LabelSet
 from .._logging import log_once
+from .._profiling._runtime import ProfilerRuntime
 from .._signals._duration import DurationRecorder
 from .._types import ASGIApp, Message, Receive, Scope, Send
 from ._options import MiddlewareSettings, ProfilingOptions
@@ -36,6 +37,7 @@ from ._spanlabels import (
     is_server_span,
     request_labels,
 )
+from ._usage import end_span
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -54,8 +56,10 @@ class _Request:
         "name",
         "scope",
         "span",
+        "span_id",
         "started",
         "template",
+        "usage",
     )
 
     def __init__(self, name: str, template: str | None, scope: Scope) -> None:
@@ -64,6 +68,8 @@ class _Request:
         # The app always gets the server's scope, even when OTel was shown a sanitized copy.
         self.scope = scope
         self.span: Span | None = None
+        # The labels' span id: the profiler's key for this request's samples.
+        self.span_id: str | None = None
         self.labels_token: Token[LabelSet] | None = None
         # Whether OTel's middleware reached the app: then its failure is the app's own, and
         # the request must never be served a second time.
@@ -73,6 +79,23 @@ class _Request:
         # the SLO: decided while OTel's server span is still open, which it ends on its way out.
         self.finished: float | None = None
         self.breached: bool | None = None
+        # What the profiler counted for the request once told it ended (exact profiler only).
+        self.usage: SpanUsage | None = None
+
+    def conclude(
+        self, finished: float, durations: DurationRecorder, runtime: ProfilerRuntime
+    ) -> None:
+        """The response is complete (or the app left): decide the verdict while the span is open.
+
+        The SLO mark and the CPU the profiler counted go on the span; the profiler labels the
+        request's samples with the verdict.
+        """
+        self.finished = finished
+        span = self.span
+        if span is not None:
+            self.breached = durations.mark(span, self.template, finished - self.started)
+            self.usage = end_span(runtime, span, self.span_id, self.breached)
+            self.span_id = None  # told: never twice
 
 
 # The URL OTel matches excluded_urls against: (host, port, url).
@@ -113,11 +136,12 @@ class _App:
     when the app leaves, before OTel ends the server span (an ended span takes no attributes).
     """
 
-    __slots__ = ("app", "durations")
+    __slots__ = ("app", "durations", "runtime")
 
-    def __init__(self, app: ASGIApp, durations: DurationRecorder) -> None:
+    def __init__(self, app: ASGIApp, durations: DurationRecorder, runtime: ProfilerRuntime) -> None:
         self.app = app
         self.durations = durations
+        self.runtime = runtime
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = _REQUEST.get()
@@ -131,12 +155,7 @@ class _App:
             if request.finished is None and scope["type"] == "http":
                 # The app returned or raised without completing the response: OTel ends the
                 # span right after this, so mark it now.
-                request.finished = time.perf_counter()
-                span = request.span
-                if span is not None:
-                    request.breached = self.durations.mark(
-                        span, request.template, request.finished - request.started
-                    )
+                request.conclude(time.perf_counter(), self.durations, self.runtime)
 
 
 class _Labeller:
@@ -169,6 +188,7 @@ class _Labeller:
                 "spanprof: labelling a request failed; it runs unlabelled (logged once)",
             )
             return
+        request.span_id = labels.get("span_id")
         request.labels_token = LABELS.set(labels)
         apply(labels)
 
@@ -231,7 +251,7 @@ class ProfilingMiddleware:
         # One instance for every request: _App hands the app the server's scope even when OTel
         # is shown a sanitized copy (the retry below).
         self._traced = OpenTelemetryMiddleware(
-            _App(app, self._durations),
+            _App(app, self._durations, self._runtime),
             default_span_details=_span_details,
             server_request_hook=self._labeller,
             tracer_provider=tracer_provider,
@@ -320,6 +340,7 @@ class ProfilingMiddleware:
         # One coroutine around OTel's for the whole request (each extra layer costs): timing and
         # labels here, the SLO mark on early exits in _App.
         durations = self._durations
+        runtime = self._runtime
         timed = kind == "http"
         status_code: int | None = None
         server_send = send
@@ -336,10 +357,7 @@ class ProfilingMiddleware:
             ):
                 # The last chunk of the body, streaming or not: the response is complete, and
                 # OTel ends the server span once this message has gone out, so mark it now.
-                request.finished = finished = time.perf_counter()
-                span = request.span
-                if span is not None:
-                    request.breached = durations.mark(span, template, finished - request.started)
+                request.conclude(time.perf_counter(), durations, runtime)
             await server_send(message)
 
         if timed:
@@ -373,6 +391,10 @@ class ProfilingMiddleware:
         finally:
             _leave(request)
             _REQUEST.reset(token)
+            if request.span_id is not None:
+                # Not concluded while the span was open (a websocket; a reused server span the
+                # app left without a response): its samples still leave the hold.
+                request.usage = end_span(runtime, request.span, request.span_id, request.breached)
             if timed:
                 finished = request.finished
                 end = time.perf_counter() if finished is None else finished
@@ -385,6 +407,7 @@ class ProfilingMiddleware:
                     exc=failure,
                     span=request.span if request.span is not None else INVALID_SPAN,
                     breached=request.breached,
+                    cpu_seconds=None if request.usage is None else request.usage.cpu_ns / 1e9,
                 )
 
     async def _afresh(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -42,6 +42,7 @@ from .._version import __version__
 from ._options import MiddlewareSettings, ProfilingOptions
 from ._routes import UNMATCHED, known_method, span_name
 from ._spanlabels import annotate_span, is_labelled_span, is_server_span, request_labels
+from ._usage import end_span
 from ._wsgi_routes import WSGIRouteResolver, default_route_resolver
 
 if TYPE_CHECKING:
@@ -226,13 +227,21 @@ class WSGIProfilingMiddleware:
         error: BaseException | None,
         span: trace.Span,
         scheme: str | None = None,
+        span_id: str | None = None,
     ) -> None:
         """The request is over (its body closed, or it failed): record its duration.
 
-        Runs before spanprof ends the span, so the span can still take attributes. Never
-        raises.
+        Runs before spanprof ends the span, so the span can still take attributes: the SLO
+        mark, and the CPU the profiler counted for it (which labels its samples with the
+        verdict). Never raises.
         """
-        self._durations.record(
+        durations = self._durations
+        try:
+            breached: bool | None = durations.mark(span, template, duration_s)
+        except Exception:
+            breached = None  # record() says so, once
+        usage = end_span(self._runtime, span, span_id, breached)
+        durations.record(
             duration_s,
             method=known_method(method),
             route=template,
@@ -240,6 +249,8 @@ class WSGIProfilingMiddleware:
             status_code=status_code,
             exc=error,
             span=span,
+            breached=breached,
+            cpu_seconds=None if usage is None else usage.cpu_ns / 1e9,
         )
 
 
@@ -401,6 +412,7 @@ class _Request:
             self.error,
             self.span,
             self.scheme,
+            self.labels.get("span_id"),
         )
         if self.owns_span:
             self.span.end()

@@ -34,6 +34,10 @@
     return value >= 100 ? value.toFixed(0) + " ms" : value.toFixed(1) + " ms";
   }
 
+  function mb(bytes) {
+    return bytes >= 1e6 ? (bytes / 1e6).toFixed(1) + " MB" : (bytes / 1e3).toFixed(0) + " kB";
+  }
+
   function clock(unixSeconds) {
     const d = new Date(unixSeconds * 1000);
     const pad = (n, w) => String(n).padStart(w || 2, "0");
@@ -107,6 +111,7 @@
         el("td", { class: "mono", title: b.trace_id, text: b.trace_id.slice(0, 8) + "…" }),
         el("td", { class: "mono", text: b.span_id }),
         el("td", { text: b.profile_ns ? ms(b.profile_ns / 1e9) : "…" }),
+        el("td", { class: "alloc", text: b.alloc_bytes ? mb(b.alloc_bytes) : "–" }),
       ]);
       row.addEventListener("click", () => select(b.span_id, b.trace_id));
       body.appendChild(row);
@@ -190,10 +195,11 @@
     showTrace(traceId, spanId);
   }
 
-  function renderMeta(span, spanId, traceId) {
+  function renderMeta(span, spanId, traceId, allocBytes) {
     const meta = $("detail-meta");
     meta.textContent = "";
     const rows = [["trace id", traceId], ["span id", spanId]];
+    if (allocBytes) rows.push(["allocated (memory profile)", mb(allocBytes)]);
     if (span) {
       $("detail-title").textContent = span.name;
       rows.unshift(
@@ -202,6 +208,9 @@
         ["service", span.service],
       );
       if (span.status_code != null) rows.push(["status", String(span.status_code)]);
+      if (span.attributes && span.attributes["spanprof.cpu_time_s"] != null) {
+        rows.push(["CPU (its samples)", ms(span.attributes["spanprof.cpu_time_s"])]);
+      }
       if (span.verdict_source) rows.push(["verdict", span.verdict_source === "span" ? "marked by the middleware" : "duration vs SLO (local)"]);
     } else {
       $("detail-title").textContent = "span " + spanId;
@@ -226,7 +235,7 @@
       return;
     }
     if (!state.selected || state.selected.span_id !== spanId) return; // another one was picked
-    renderMeta(data.span, spanId, state.selected.trace_id);
+    renderMeta(data.span, spanId, state.selected.trace_id, data.alloc_bytes);
     if (data.total_ns === 0) {
       link.classList.add("disabled");
       const chart = $("flamegraph");
@@ -354,6 +363,69 @@
     }
   }
 
+  // -- breach vs ok, per route ------------------------------------------------------------------
+
+  function us(value) {
+    return (value >= 1000 ? (value / 1000).toFixed(2) + " ms" : value.toFixed(0) + " µs");
+  }
+
+  function renderCompareRoutes(listing) {
+    const select = $("compare-route");
+    const routes = listing.routes.map((r) => r.route);
+    $("compare-empty").hidden = routes.length > 0;
+    const current = Array.from(select.options).map((o) => o.value);
+    if (current.join("\n") !== routes.join("\n")) {
+      const chosen = select.value;
+      select.textContent = "";
+      for (const route of routes) select.appendChild(el("option", { value: route, text: route }));
+      if (routes.includes(chosen)) select.value = chosen;
+    }
+    return select.value;
+  }
+
+  async function showCompare(route) {
+    if (!route) return;
+    let data;
+    try {
+      data = await getJSON("/api/compare?route=" + encodeURIComponent(route));
+    } catch (err) {
+      $("compare-counts").textContent = String(err);
+      return;
+    }
+    $("compare-counts").textContent =
+      data.requests.breached + " breaching requests · " + data.requests.ok + " within SLO";
+    const body = $("compare-functions").querySelector("tbody");
+    body.textContent = "";
+    for (const f of data.functions.slice(0, 15)) {
+      body.appendChild(el("tr", { class: f.extra_us > 0 ? "worse" : "" }, [
+        el("td", { text: f.function, title: f.file }),
+        el("td", { text: (f.extra_us > 0 ? "+" : "") + us(f.extra_us) }),
+        el("td", { text: us(f.breached_us) }),
+        el("td", { text: us(f.ok_us) }),
+      ]));
+    }
+    renderDifferential(data.flamegraph);
+  }
+
+  function renderDifferential(root) {
+    const container = $("compare-flamegraph");
+    container.textContent = "";
+    if (!root.value) return;
+    const chart = flamegraph.default()
+      .width(Math.max(container.clientWidth, 300))
+      .cellHeight(17)
+      .inverted(true)
+      .minFrameSize(2)
+      .transitionDuration(0)
+      .title("")
+      .setColorMapper(flamegraph.colorMapper.differentialColorMapper)
+      .selfValue(false)
+      .label((d) => d.data.name + (d.data.file ? "  " + d.data.file : "") + "\n" +
+        us(d.data.value / 1e3) + " per breaching request, " + us(d.data.ok_value / 1e3) +
+        " within SLO (" + (d.data.delta >= 0 ? "+" : "") + us(d.data.delta / 1e3) + ")");
+    d3.select(container).datum(root).call(chart);
+  }
+
   // -- polling --------------------------------------------------------------------------------
 
   async function refresh() {
@@ -367,6 +439,8 @@
       renderStatus(status);
       renderBreaches(breaches.breaches);
       renderLatency(latency);
+      const route = renderCompareRoutes(await getJSON("/api/compare"));
+      await showCompare(route);
     } catch (err) {
       $("status").textContent = "cannot reach the local mode server: " + err;
     }
@@ -381,6 +455,7 @@
     }
   }
 
+  $("compare-route").addEventListener("change", (event) => showCompare(event.target.value));
   refresh().then(fromHash);
   setInterval(refresh, REFRESH_MS);
 })();

@@ -26,6 +26,10 @@ unit of a value is one nanosecond of CPU (the sampler weighs every sample by the
 used, so values are not whole ticks). Pyroscope maps exactly that type to ``process_cpu`` and
 multiplies values by the period, so it stores the same ``process_cpu:cpu:nanoseconds`` series
 the pprof push gives, which Grafana's trace-to-profiles link queries.
+
+``OtlpTables`` (the shared dictionary), ``put_sample`` and ``OtlpRequestEncoder`` (the slicing
+and the request around the profiles) serve every window type: ``_otlp_memory`` builds the
+memory profiles on them.
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ import os
 import struct
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from ..._labels._labelset import LabelSet
 from ..._version import __version__
 from .._window import Frame, Window
+from ._memory import MEMORY_PERIOD_TYPE, MEMORY_SAMPLE_TYPES
 from ._pprof import Profile, Sample
 from ._protowire import (
     WIRE_LEN,
@@ -68,10 +73,13 @@ __all__ = [
     "SCOPE_NAME",
     "OtlpDecodeError",
     "OtlpEncoder",
+    "OtlpRequestEncoder",
+    "OtlpTables",
     "current_resource_attributes",
     "decode_export_request",
     "encode_resource",
     "encode_scope",
+    "put_sample",
 ]
 
 SAMPLE_TYPE = ("samples", "count")
@@ -136,6 +144,7 @@ _SCOPE_VERSION = 2
 _RESOURCE_ATTRIBUTES = 1
 
 _T = TypeVar("_T")
+_I = TypeVar("_I")
 _NO_TRACE = bytes(16)
 _NO_SPAN = bytes(8)
 _HEX = frozenset("0123456789abcdef")
@@ -229,44 +238,15 @@ class _Strings:
         return idx
 
 
-class OtlpEncoder:
-    """Encodes a ``Window`` as an ``ExportProfilesServiceRequest``, one slice per ``step()``.
+class OtlpTables:
+    """One request's ``ProfilesDictionary``, filled as samples are added; its profiles share it.
 
-    Each step adds samples until ``budget_ns`` has passed; the last one joins the tables and the
-    samples (copies of already encoded bytes). ``request`` holds the raw (uncompressed) body
-    once ``done``.
-
-    Arguments:
-        window: the samples to encode (no longer written by the sampler).
-        resource: an encoded ``Resource`` (``encode_resource``).
-        scope: an encoded ``InstrumentationScope`` (``encode_scope``).
-        attributes: attributes of the whole profile (the backend's static tags).
-        budget_ns: the time after which a slice stops.
-        profile_id: 16 bytes; random by default.
+    Each table is kept as its repeated dictionary field, its zero value first, and every entry is
+    interned: a stack, link or attribute that several samples (or profiles) use is written once.
     """
 
-    def __init__(
-        self,
-        window: Window,
-        *,
-        resource: bytes,
-        scope: bytes,
-        attributes: Iterable[tuple[str, str]] = (),
-        budget_ns: int = STEP_BUDGET_NS,
-        profile_id: bytes | None = None,
-    ) -> None:
-        self.window = window
-        self.resource = resource
-        self.scope = scope
-        self.budget_ns = budget_ns
-        self.profile_id = profile_id if profile_id is not None else os.urandom(16)
-        self.request = b""
-        self.samples = 0
-        self._items = iter(list(window.values.items()))
-        self._exhausted = False
-        self._done = False
-        self._strings = _Strings()
-        # Each table is kept as its repeated dictionary field, index 0 first.
+    def __init__(self) -> None:
+        self.strings = _Strings()
         self._mappings = bytearray()
         put_bytes_field(self._mappings, _D_MAPPING, b"")
         self._locations = bytearray()
@@ -286,51 +266,40 @@ class OtlpEncoder:
         self._link_ids: dict[tuple[bytes, bytes], int] = {}
         self._attribute_ids: dict[tuple[str, str], int] = {}
         self._label_parts: dict[LabelSet, bytes] = {}
-        self._samples = bytearray()
-        self._profile_attributes = [self._attribute(pair) for pair in attributes]
 
-    @property
-    def done(self) -> bool:
-        """Whether ``request`` is complete."""
-        return self._done
+    def stack(self, window: Window, sid: int) -> int:
+        """The ``stack_table`` index of the window's stack ``sid``."""
+        idx = self._stack_ids.get(sid)
+        if idx is None:
+            idx = self._stack(sid, window.stack(sid))
+        return idx
 
-    def step(self) -> bool:
-        """Do one slice of work; return ``True`` when the request is fully encoded."""
-        if self._done:
-            return True
-        if self._exhausted:
-            self._assemble()
-            return True
-        window = self.window
-        deadline = time.perf_counter_ns() + self.budget_ns
-        add = self._add
-        for (sid, labels), value in self._items:
-            add(window, sid, labels, value)
-            if time.perf_counter_ns() > deadline:
-                return False
-        self._exhausted = True
-        return False
-
-    # --- one sample ----------------------------------------------------------------------------
-
-    def _add(self, window: Window, sid: int, labels: LabelSet, value: int) -> None:
-        stack = self._stack_ids.get(sid)
-        if stack is None:
-            stack = self._stack(sid, window.stack(sid))
+    def sample_labels(self, labels: LabelSet) -> bytes:
+        """A sample's ``attribute_indices`` and ``link_index`` fields for ``labels``, encoded."""
+        # Cached per distinct label set: a request's samples share one.
         part = self._label_parts.get(labels)
         if part is None:
             part = self._labels(labels)
-        msg = bytearray()
-        put_varint_field(msg, _S_STACK_INDEX, stack)
-        msg += part
-        # values: one packed int64.
-        put_tag(msg, _S_VALUES, WIRE_LEN)
-        payload = bytearray()
-        put_varint(payload, value)
-        put_varint(msg, len(payload))
-        msg += payload
-        put_bytes_field(self._samples, _P_SAMPLES, msg)
-        self.samples += 1
+        return part
+
+    def value_type(self, pair: tuple[str, str]) -> bytes:
+        """A ``ValueType`` message: ``(type, unit)`` as string indices."""
+        return _value_type(self.strings, pair)
+
+    def dictionary(self) -> list[bytes | bytearray]:
+        """The request's ``dictionary`` field, as chunks to join."""
+        return _wrap(
+            _REQ_DICTIONARY,
+            [
+                self._mappings,
+                self._locations,
+                self._functions,
+                self._links,
+                self.strings.buf,
+                self._attributes,
+                self._stacks,
+            ],
+        )
 
     def _stack(self, sid: int, frames: tuple[Frame, ...]) -> int:
         key = tuple(self._location(frame) for frame in frames)
@@ -347,7 +316,7 @@ class OtlpEncoder:
         idx = self._location_ids.get(frame)
         if idx is not None:
             return idx
-        strings = self._strings
+        strings = self.strings
         fkey = (strings.index(frame.function), strings.index(frame.filename))
         fidx = self._function_ids.get(fkey)
         if fidx is None:
@@ -367,7 +336,6 @@ class OtlpEncoder:
         return idx
 
     def _labels(self, labels: LabelSet) -> bytes:
-        # Cached per distinct label set: a request's samples share one.
         items = labels.items_tuple
         span = _hex_id(labels.get("span_id"), 8)
         link = 0
@@ -377,7 +345,7 @@ class OtlpEncoder:
             trace = _hex_id(labels.get("trace_id"), 16) or _NO_TRACE
             link = self._link(trace, span)
         indices = [
-            self._attribute(pair)
+            self.attribute(pair)
             for pair in items
             if not (span is not None and pair[0] in ("span_id", "trace_id"))
         ]
@@ -402,55 +370,185 @@ class OtlpEncoder:
             put_bytes_field(self._links, _D_LINK, self._link_message(trace, span))
         return idx
 
-    def _attribute(self, pair: tuple[str, str]) -> int:
+    def attribute(self, pair: tuple[str, str]) -> int:
+        """The ``attribute_table`` index of the string attribute ``(key, value)``."""
         idx = self._attribute_ids.get(pair)
         if idx is None:
             idx = self._attribute_ids[pair] = len(self._attribute_ids) + 1
             msg = bytearray()
-            put_varint_field(msg, _KVU_KEY, self._strings.index(pair[0]))
+            put_varint_field(msg, _KVU_KEY, self.strings.index(pair[0]))
             value = bytearray()
             put_string_field(value, _AV_STRING, pair[1])
             put_bytes_field(msg, _KVU_VALUE, value)
             put_bytes_field(self._attributes, _D_ATTRIBUTE, msg)
         return idx
 
-    # --- the last step -------------------------------------------------------------------------
+
+def put_sample(out: bytearray, stack: int, labels: bytes, value: int) -> None:
+    """Append one single-valued ``Sample`` to ``out`` as a ``Profile.samples`` field.
+
+    ``labels`` is ``OtlpTables.sample_labels``'s encoding of the sample's labels.
+    """
+    msg = bytearray()
+    put_varint_field(msg, _S_STACK_INDEX, stack)
+    msg += labels
+    # values: one packed int64.
+    put_tag(msg, _S_VALUES, WIRE_LEN)
+    payload = bytearray()
+    put_varint(payload, value)
+    put_varint(msg, len(payload))
+    msg += payload
+    put_bytes_field(out, _P_SAMPLES, msg)
+
+
+class OtlpRequestEncoder(Generic[_I]):
+    """Encodes a window as one ``ExportProfilesServiceRequest``, one slice per ``step()``.
+
+    Each step feeds ``items`` to ``_add`` until ``budget_ns`` has passed; the last one joins the
+    tables and the profiles ``_profiles`` returns (copies of already encoded bytes). ``request``
+    holds the raw (uncompressed) body once ``done``. Subclasses say what an item is, how it
+    becomes samples, and which profiles the request carries; ``OtlpTables`` is shared by them.
+    """
+
+    def __init__(
+        self,
+        window: Window,
+        items: Iterable[_I],
+        *,
+        resource: bytes,
+        scope: bytes,
+        attributes: Iterable[tuple[str, str]],
+        budget_ns: int,
+    ) -> None:
+        self.window = window
+        self.resource = resource
+        self.scope = scope
+        self.budget_ns = budget_ns
+        self.request = b""
+        #: Samples written, over all profiles.
+        self.samples = 0
+        self.tables = OtlpTables()
+        self._items = iter(items)
+        self._exhausted = False
+        self._done = False
+        self._profile_attributes = [self.tables.attribute(pair) for pair in attributes]
+
+    @property
+    def done(self) -> bool:
+        """Whether ``request`` is complete."""
+        return self._done
+
+    def step(self) -> bool:
+        """Do one slice of work; return ``True`` when the request is fully encoded."""
+        if self._done:
+            return True
+        if self._exhausted:
+            self._assemble()
+            return True
+        deadline = time.perf_counter_ns() + self.budget_ns
+        add = self._add
+        for item in self._items:
+            add(item)
+            if time.perf_counter_ns() > deadline:
+                return False
+        self._exhausted = True
+        return False
+
+    def _add(self, item: _I) -> None:
+        raise NotImplementedError
+
+    def _profiles(self) -> list[list[bytes | bytearray]]:
+        raise NotImplementedError
+
+    def _profile(
+        self,
+        sample_type: tuple[str, str],
+        samples: bytearray,
+        *,
+        period_type: tuple[str, str],
+        period: int,
+        profile_id: bytes,
+    ) -> list[bytes | bytearray]:
+        """One ``Profile`` of the window (a ``ScopeProfiles.profiles`` field), as chunks."""
+        window = self.window
+        head = bytearray()
+        put_bytes_field(head, _P_SAMPLE_TYPE, self.tables.value_type(sample_type))
+        tail = bytearray()
+        put_fixed64_field(tail, _P_TIME_UNIX_NANO, window.start_ns)
+        put_varint_field(tail, _P_DURATION_NANO, max(0, window.end_ns - window.start_ns))
+        put_bytes_field(tail, _P_PERIOD_TYPE, self.tables.value_type(period_type))
+        put_varint_field(tail, _P_PERIOD, period)
+        put_bytes_field(tail, _P_PROFILE_ID, profile_id)
+        put_packed_varints_field(tail, _P_ATTRIBUTE_INDICES, self._profile_attributes)
+        return _wrap(_SP_PROFILES, [head, samples, tail])
 
     def _assemble(self) -> None:
         # The nested messages are length-prefixed chunks joined once at the end: the samples
         # and tables (most of the bytes) are copied a single time.
-        window = self.window
-        strings = self._strings
-        head = bytearray()
-        put_bytes_field(head, _P_SAMPLE_TYPE, _value_type(strings, SAMPLE_TYPE))
-        tail = bytearray()
-        put_fixed64_field(tail, _P_TIME_UNIX_NANO, window.start_ns)
-        put_varint_field(tail, _P_DURATION_NANO, max(0, window.end_ns - window.start_ns))
-        put_bytes_field(tail, _P_PERIOD_TYPE, _value_type(strings, PERIOD_TYPE))
-        put_varint_field(tail, _P_PERIOD, PERIOD)
-        put_bytes_field(tail, _P_PROFILE_ID, self.profile_id)
-        put_packed_varints_field(tail, _P_ATTRIBUTE_INDICES, self._profile_attributes)
-        profile = _wrap(_SP_PROFILES, [head, self._samples, tail])
+        profiles = [chunk for profile in self._profiles() for chunk in profile]
         scope = bytearray()
         put_bytes_field(scope, _SP_SCOPE, self.scope)
-        scope_profiles = _wrap(_RP_SCOPE_PROFILES, [scope, *profile])
+        scope_profiles = _wrap(_RP_SCOPE_PROFILES, [scope, *profiles])
         resource = bytearray()
         put_bytes_field(resource, _RP_RESOURCE, self.resource)
         resource_profiles = _wrap(_REQ_RESOURCE_PROFILES, [resource, *scope_profiles])
-        dictionary = _wrap(
-            _REQ_DICTIONARY,
-            [
-                self._mappings,
-                self._locations,
-                self._functions,
-                self._links,
-                strings.buf,
-                self._attributes,
-                self._stacks,
-            ],
-        )
-        self.request = b"".join([*resource_profiles, *dictionary])
+        self.request = b"".join([*resource_profiles, *self.tables.dictionary()])
         self._done = True
+
+
+class OtlpEncoder(OtlpRequestEncoder[tuple[tuple[int, LabelSet], int]]):
+    """Encodes a CPU ``Window`` as an ``ExportProfilesServiceRequest``, one slice per ``step()``.
+
+    One profile, ``samples/count`` with period type ``cpu/nanoseconds`` and period 1.
+
+    Arguments:
+        window: the samples to encode (no longer written by the sampler).
+        resource: an encoded ``Resource`` (``encode_resource``).
+        scope: an encoded ``InstrumentationScope`` (``encode_scope``).
+        attributes: attributes of the whole profile (the backend's static tags).
+        budget_ns: the time after which a slice stops.
+        profile_id: 16 bytes; random by default.
+    """
+
+    def __init__(
+        self,
+        window: Window,
+        *,
+        resource: bytes,
+        scope: bytes,
+        attributes: Iterable[tuple[str, str]] = (),
+        budget_ns: int = STEP_BUDGET_NS,
+        profile_id: bytes | None = None,
+    ) -> None:
+        super().__init__(
+            window,
+            list(window.values.items()),
+            resource=resource,
+            scope=scope,
+            attributes=attributes,
+            budget_ns=budget_ns,
+        )
+        self.profile_id = profile_id if profile_id is not None else os.urandom(16)
+        self._samples = bytearray()
+
+    def _add(self, item: tuple[tuple[int, LabelSet], int]) -> None:
+        (sid, labels), value = item
+        tables = self.tables
+        put_sample(
+            self._samples, tables.stack(self.window, sid), tables.sample_labels(labels), value
+        )
+        self.samples += 1
+
+    def _profiles(self) -> list[list[bytes | bytearray]]:
+        return [
+            self._profile(
+                SAMPLE_TYPE,
+                self._samples,
+                period_type=PERIOD_TYPE,
+                period=PERIOD,
+                profile_id=self.profile_id,
+            )
+        ]
 
 
 def _wrap(field: int, chunks: list[bytes | bytearray]) -> list[bytes | bytearray]:
@@ -518,6 +616,12 @@ def decode_export_request(data: bytes) -> list[PushSeries]:
     ``service_name`` (the resource's ``service.name``), plus the resource's other string
     attributes. A sample's link becomes ``span_id``/``trace_id`` hex labels, its attributes
     the other labels.
+
+    Memory profiles (``alloc_*``/``inuse_*`` with period type ``space/bytes``) of one
+    ``ScopeProfiles`` become one ``memory`` series instead, one profile of the four sample types
+    with a sample per stack and labels: exactly what the Pyroscope memory push carries, so
+    memory is stored alike whichever way it came. (Pyroscope 2.x's own OTLP ingest names every
+    profile that is not off-CPU ``process_cpu``, telling memory apart by sample type only.)
     """
     try:
         return _decode_export_request(data)
@@ -572,26 +676,34 @@ def _decode_export_request(data: bytes) -> list[PushSeries]:
             kv = _fields(as_bytes(kv_raw))
             resource[as_str(_msg(kv, _KV_KEY))] = _any_text(_msg(kv, _KV_VALUE), strings)
         service = resource.pop("service.name", "") or "unknown_service"
+        rest = [("service_name", service), *sorted(resource.items())]
         for sp_raw in rp.get(_RP_SCOPE_PROFILES, ()):
+            memory: list[Profile] = []
             for p_raw in _fields(as_bytes(sp_raw)).get(_SP_PROFILES, ()):
-                series.append(
-                    _series(
-                        _fields(as_bytes(p_raw)), service, resource, strings, stacks, links,
-                        attributes,
-                    )
-                )  # fmt: skip
+                name, profile = _profile(
+                    _fields(as_bytes(p_raw)), strings, stacks, links, attributes
+                )
+                if (
+                    profile.sample_types[0] in MEMORY_SAMPLE_TYPES
+                    and profile.period_type == MEMORY_PERIOD_TYPE
+                ):
+                    memory.append(profile)
+                else:
+                    series.append(PushSeries((("__name__", name), *rest), (profile,)))
+            if memory:
+                series.append(PushSeries((("__name__", "memory"), *rest), (_joined(memory),)))
     return series
 
 
-def _series(
+def _profile(
     p: dict[int, list[FieldValue]],
-    service: str,
-    resource: Mapping[str, str],
     strings: Sequence[str],
     stacks: Sequence[tuple[Frame, ...]],
     links: Sequence[tuple[str, str]],
     attributes: Sequence[tuple[str, str]],
-) -> PushSeries:
+) -> tuple[str, Profile]:
+    """The series name and the pprof model of one ``Profile``."""
+
     def value_type(field: int) -> tuple[str, str]:
         vt = _fields(_msg(p, field))
         return (
@@ -634,8 +746,29 @@ def _series(
         duration_nanos=_int(p, _P_DURATION_NANO),
         samples=tuple(samples),
     )
-    labels = [("__name__", name), ("service_name", service), *sorted(resource.items())]
-    return PushSeries(tuple(labels), (profile,))
+    return name, profile
+
+
+def _joined(memory: list[Profile]) -> Profile:
+    """Memory profiles of one sample type each as one of ``MEMORY_SAMPLE_TYPES``, joined per
+    (stack, labels), 0 where a profile has no sample."""
+    rows: dict[tuple[tuple[Frame, ...], tuple[tuple[str, str], ...]], list[int]] = {}
+    for profile in memory:
+        position = MEMORY_SAMPLE_TYPES.index(profile.sample_types[0])
+        for sample in profile.samples:
+            row = rows.setdefault((sample.stack, sample.labels), [0] * len(MEMORY_SAMPLE_TYPES))
+            row[position] += sample.values[0]
+    first = memory[0]
+    return Profile(
+        sample_types=MEMORY_SAMPLE_TYPES,
+        period_type=MEMORY_PERIOD_TYPE,
+        period=first.period,
+        time_nanos=min(p.time_nanos for p in memory),
+        duration_nanos=max(p.duration_nanos for p in memory),
+        samples=tuple(
+            Sample(stack, tuple(values), labels) for (stack, labels), values in rows.items()
+        ),
+    )
 
 
 def _fixed64(fields: dict[int, list[FieldValue]], field: int) -> int:

@@ -4,7 +4,8 @@ Each exporter runs its own thread and asks for a window once per upload interval
 ask takes the sampler's window and leaves it for the others; an exporter that finds windows left
 for it takes those instead of draining the sampler, so with equal intervals each interval's
 window is taken once and read by all. A stuck exporter's backlog is merged into one window (same
-stack tables) or, past ``max_backlog``, its oldest window is dropped and counted.
+stack tables) or, past ``max_backlog``, its oldest window is dropped and counted. Merged memory
+windows add their allocations up and keep the newer in-use snapshot.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-from .._window import Window
+from .._window import MemoryWindow, Window
 
 __all__ = ["WindowExporter", "WindowFanout", "stop_all"]
+
+_K = TypeVar("_K")
 
 
 class WindowExporter(Protocol):
@@ -29,11 +32,30 @@ class WindowExporter(Protocol):
     def stats(self) -> dict[str, float]: ...
 
 
+def _sum(first: dict[_K, int], second: dict[_K, int]) -> dict[_K, int]:
+    total = dict(first)
+    for key, value in second.items():
+        total[key] = total.get(key, 0) + value
+    return total
+
+
 def _merge(first: Window, second: Window) -> Window:
-    values = dict(first.values)
-    for key, weight in second.values.items():
-        values[key] = values.get(key, 0) + weight
-    return Window(first.start_ns, first.tables, values, max(first.end_ns, second.end_ns))
+    """``first`` and the window taken after it, as one."""
+    values = _sum(first.values, second.values)
+    end_ns = max(first.end_ns, second.end_ns)
+    foreign = {**first.foreign, **second.foreign}  # their ids are unique in the process
+    if isinstance(first, MemoryWindow) and isinstance(second, MemoryWindow):
+        # Allocations add up; what is in use is a snapshot at the end: the newer one.
+        return MemoryWindow(
+            first.start_ns,
+            first.tables,
+            values,
+            end_ns,
+            foreign,
+            alloc_objects=_sum(first.alloc_objects, second.alloc_objects),
+            inuse=second.inuse,
+        )
+    return Window(first.start_ns, first.tables, values, end_ns, foreign)
 
 
 class WindowFanout:

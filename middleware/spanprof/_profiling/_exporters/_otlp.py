@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Protocol
 from urllib.parse import unquote, urlsplit
 
 from ..._config import parse_bool, parse_int
@@ -33,6 +33,7 @@ from ..._logging import log_once
 from ..._version import __version__
 from .._encoders._otlp import (
     OtlpEncoder,
+    OtlpRequestEncoder,
     current_resource_attributes,
     encode_resource,
     encode_scope,
@@ -41,7 +42,13 @@ from .._encoders._protowire import ProtoDecodeError, as_bytes, as_int, as_str, i
 from .._window import Window
 from ._otlp_grpc import GrpcTransport, grpc_available
 
-__all__ = ["OTLP_CONTENT_TYPE", "OTLP_PROFILES_PATH", "OtlpExporter", "OtlpSettings"]
+__all__ = [
+    "OTLP_CONTENT_TYPE",
+    "OTLP_PROFILES_PATH",
+    "OtlpEncoderFactory",
+    "OtlpExporter",
+    "OtlpSettings",
+]
 
 #: Where the profiles signal goes under ``OTEL_EXPORTER_OTLP_ENDPOINT``.
 OTLP_PROFILES_PATH = "/v1development/profiles"
@@ -241,6 +248,19 @@ def rejected_profiles(body: bytes) -> tuple[int, str]:
     return rejected, message
 
 
+class OtlpEncoderFactory(Protocol):
+    """Makes the request encoder of one window (``OtlpEncoder``, ``OtlpMemoryEncoder``...)."""
+
+    def __call__(
+        self,
+        window: Window,
+        *,
+        resource: bytes,
+        scope: bytes,
+        attributes: Iterable[tuple[str, str]],
+    ) -> OtlpRequestEncoder[Any]: ...
+
+
 @dataclass
 class _Payload:
     body: bytes
@@ -260,6 +280,8 @@ class OtlpExporter:
         backoff_initial, backoff_max: seconds before the first retry, and the cap of the
             doubling back-off (a ``Retry-After`` may ask for longer, up to ``retry_after_max``).
         flush_timeout: how long ``stop()`` may spend on the last window and pending retries.
+        encoder: makes the encoder of a window (default: CPU profiles, ``OtlpEncoder``); the
+            memory profiles' exporter passes ``OtlpMemoryEncoder`` with its period.
     """
 
     def __init__(
@@ -274,8 +296,10 @@ class OtlpExporter:
         backoff_max: float = 30.0,
         retry_after_max: float = 300.0,
         flush_timeout: float = 5.0,
+        encoder: OtlpEncoderFactory = OtlpEncoder,
     ) -> None:
         self.settings = settings
+        self._encoder = encoder
         self._grpc = GrpcTransport(settings) if settings.protocol == "grpc" else None
         parts = urlsplit(settings.endpoint if self._grpc is None else "http://grpc")
         self.url = settings.endpoint
@@ -418,7 +442,7 @@ class OtlpExporter:
 
     def encode(self, window: Window) -> bytes:
         """The request body for ``window`` (compressed as configured), encoded in timed steps."""
-        encoder = OtlpEncoder(
+        encoder = self._encoder(
             window, resource=self._resource_bytes(), scope=self._scope, attributes=self.attributes
         )
         while not encoder.done:
@@ -435,7 +459,8 @@ class OtlpExporter:
             return
         try:
             window = collect()
-            if not window.values:
+            # A memory window may hold in-use memory only: len() counts both.
+            if not window:
                 self.empty_windows += 1
                 return
             body = self.encode(window)

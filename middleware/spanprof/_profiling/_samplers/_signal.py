@@ -93,6 +93,8 @@ CLOCKS = ("cpu", "wall")
 MAX_DEPTH = 256
 # Interned frames/stacks are shared by consecutive windows until they grow past this.
 MAX_TABLE_SIZE = 100_000
+# In-flight spans whose CPU is counted for their span attribute.
+_MAX_SPANS = 65536
 # Stall durations kept for percentiles.
 _STALL_RING = 4096
 _PRUNE_EVERY = 64
@@ -365,6 +367,9 @@ class Sampler:
         self._stall_cpu = [0] * _STALL_RING
         self._stall_count = 0
         self._stall_max = 0
+        # span_id -> CPU booked on its samples (see span_cpu_ns).
+        self._span_ns: dict[str, int] = {}
+        self.span_resets = 0
         self.ticks = 0
         self.handler_cpu_ns = 0
         self.samples = 0
@@ -567,6 +572,7 @@ class Sampler:
             "reentered": self.reentered,
             "inconsistent": self.inconsistent,
             "errors": self.errors,
+            "span_cpu_resets": self.span_resets,
             "sampled_ms": self.sampled_ns / 1e6,
             "max_sample_ms": self.max_weight_ns / 1e6,
             "carried_ms": self.carried_ns / 1e6,
@@ -802,6 +808,8 @@ class Sampler:
                     key = (sid, previous)
                     values[key] = values.get(key, 0) + residual
                     booked += residual
+                    if previous:
+                        self._credit(previous, residual)
                 else:
                     dropped += residual
             state.last_stack = -1
@@ -820,12 +828,34 @@ class Sampler:
         self.sampled_ns += weight
         if weight > self.max_weight_ns:
             self.max_weight_ns = weight
+        if labels:
+            self._credit(labels, weight)
 
-    @staticmethod
-    def _book(window: Window, sid: int, labels: LabelSet, weight: int) -> None:
+    def _book(self, window: Window, sid: int, labels: LabelSet, weight: int) -> None:
         key = (sid, labels)
         values = window.values
         values[key] = values.get(key, 0) + weight
+        if labels:
+            self._credit(labels, weight)
+
+    def _credit(self, labels: LabelSet, weight: int) -> None:
+        # The CPU each in-flight span's samples account for, read (and dropped) when it ends.
+        span_id = labels.get("span_id")
+        if span_id is not None:
+            spans = self._span_ns
+            if span_id in spans:
+                spans[span_id] += weight
+            elif len(spans) < _MAX_SPANS:
+                spans[span_id] = weight
+            else:
+                # Spans nobody ended (a request path that never reported back): start over.
+                spans.clear()
+                spans[span_id] = weight
+                self.span_resets += 1
+
+    def span_cpu_ns(self, span_id: str) -> int:
+        """The CPU booked on ``span_id``'s samples so far, forgotten from then on."""
+        return self._span_ns.pop(span_id, 0)
 
     def _stack_id(self, tables: StackTables, frame: FrameType | None) -> int:
         ids: list[int] = []
