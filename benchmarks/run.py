@@ -25,6 +25,7 @@ from . import (
     bench_faults,
     bench_hold,
     bench_instructions,
+    bench_mechanisms,
     bench_memory,
     bench_otlp,
     bench_request,
@@ -37,6 +38,7 @@ __all__ = ["BENCHMARKS", "main"]
 BENCHMARKS: dict[str, Callable[[bool], Section]] = {
     "request": bench_request.run,
     "engine": bench_engine.run,
+    "mechanisms": bench_mechanisms.run,
     "exemplar": bench_exemplar.run,
     "faults": bench_faults.run,
     "exact": bench_exact.run,

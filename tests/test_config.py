@@ -46,6 +46,7 @@ async def _app(scope: Scope, receive: Receive, send: Send) -> None:
             "PYROSCOPE_LABELS",
         ),
         ({"SPANPROF_TRACE_ID_LABEL": "maybe"}, "SPANPROF_TRACE_ID_LABEL"),
+        ({"SPANPROF_LABEL_ENGINE": "magic"}, "SPANPROF_LABEL_ENGINE"),
     ],
 )
 def test_bad_environment_names_the_variable(environ: dict[str, str], setting: str) -> None:

@@ -17,7 +17,7 @@ import tracemalloc
 import types
 import warnings
 import weakref
-from collections.abc import Coroutine, Generator
+from collections.abc import Coroutine, Generator, Iterator
 from typing import Any
 
 import anyio
@@ -27,10 +27,24 @@ from spanprof import RecorderBackend, current_labels, profile_labels
 from spanprof._labels import _engine
 from spanprof._labels._engine import attach_loop
 from spanprof._labels._labelset import EMPTY, LABELS, LabelSet
+from spanprof._logging import reset_log_once
 
 from .conftest import require, run_on
 
 pytestmark = pytest.mark.engine
+
+
+@pytest.fixture
+def recorder() -> Iterator[RecorderBackend]:
+    """The engine installed with its hooks (what this module tests), fed to a recorder."""
+    backend = RecorderBackend()
+    _engine.install_label_engine(backend, mechanism="hooks")
+    try:
+        yield backend
+    finally:
+        _engine.uninstall_label_engine()
+        reset_log_once()
+
 
 Op = tuple[str, Any]
 
@@ -541,7 +555,7 @@ def test_python_fallback_keeps_labels_exact(
     monkeypatch.setattr(_engine, "_CThreadLabels", None, raising=False)
     monkeypatch.setattr(_engine, "_CHandleRunHook", None, raising=False)
     recorder = RecorderBackend()
-    _engine.install_label_engine(recorder)
+    _engine.install_label_engine(recorder, mechanism="hooks")
     assert asyncio.Handle._run is _engine._handle_run
     mismatches: list[str] = []
     proxied: set[type] = set()
@@ -581,7 +595,7 @@ def test_engine_hooks_asyncio_handles_with_the_c_hook() -> None:
     hook = hook_type()
     original = asyncio.Handle._run
     assert type(original) is not hook
-    _engine.install_label_engine(RecorderBackend())
+    _engine.install_label_engine(RecorderBackend(), mechanism="hooks")
     try:
         assert type(asyncio.Handle._run) is hook
         assert asyncio.Handle._run.__wrapped__ is original  # type: ignore[attr-defined]
@@ -770,7 +784,7 @@ def _failing_callback_report(engine: bool, *, debug: bool) -> dict[str, Any]:
         await asyncio.sleep(0)
 
     if engine:
-        _engine.install_label_engine(RecorderBackend())
+        _engine.install_label_engine(RecorderBackend(), mechanism="hooks")
     try:
         run_on("asyncio", main)
     finally:
@@ -812,7 +826,7 @@ def test_hooked_handles_let_exit_exceptions_through(exc_type: type[BaseException
         asyncio.get_running_loop().call_soon(stop)
         await asyncio.sleep(1)
 
-    _engine.install_label_engine(RecorderBackend())
+    _engine.install_label_engine(RecorderBackend(), mechanism="hooks")
     try:
         with pytest.raises(exc_type, match="stop"):
             run_on("asyncio", main)
@@ -865,7 +879,7 @@ def test_a_handle_run_someone_else_patched_keeps_running(monkeypatch: pytest.Mon
             await asyncio.sleep(0)
             seen.append(recorder.thread_labels())
 
-    _engine.install_label_engine(recorder)
+    _engine.install_label_engine(recorder, mechanism="hooks")
     try:
         assert asyncio.Handle._run.replaces is False  # type: ignore[attr-defined]
         run_on("asyncio", main)

@@ -6,7 +6,7 @@ import asyncio
 import concurrent.futures
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import anyio.to_thread
@@ -15,11 +15,33 @@ import pytest
 import spanprof
 from spanprof import LabelSet, RecorderBackend, current_labels, profile_labels
 from spanprof._labels import _engine
-from spanprof._labels._engine import attach_loop
+from spanprof._labels._engine import Mechanism, attach_loop
+from spanprof._logging import reset_log_once
 
 from .conftest import run_on
 
 pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(params=_engine.available_mechanisms())
+def mechanism(request: pytest.FixtureRequest) -> Mechanism:
+    """Each test using this runs with every mechanism this interpreter has (the context watcher
+    from 3.14)."""
+    chosen: Mechanism = request.param
+    return chosen
+
+
+@pytest.fixture
+def recorder(mechanism: Mechanism) -> Iterator[RecorderBackend]:
+    """The engine installed with a recorder backend and ``mechanism``, uninstalled afterwards."""
+    backend = RecorderBackend()
+    spanprof.engine.install_label_engine(backend, mechanism=mechanism)
+    try:
+        assert _engine.installed_mechanism() == mechanism
+        yield backend
+    finally:
+        spanprof.engine.uninstall_label_engine()
+        reset_log_once()
 
 
 class Checker:
@@ -264,14 +286,17 @@ def test_eager_tasks_leave_the_caller_its_labels(recorder: RecorderBackend, loop
     check.assert_exact(4)
 
 
-def test_backend_failure_never_reaches_the_caller(caplog: pytest.LogCaptureFixture) -> None:
+def test_backend_failure_never_reaches_the_caller(
+    caplog: pytest.LogCaptureFixture, mechanism: Mechanism
+) -> None:
     """A backend that raises on every push is logged once; labelled code runs normally."""
 
     class Broken(RecorderBackend):
         def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
             raise RuntimeError("profiler down")
 
-    spanprof.engine.install_label_engine(Broken())
+    reset_log_once()  # its key holds the backend's id, which an earlier one may have had
+    spanprof.engine.install_label_engine(Broken(), mechanism=mechanism)
     try:
 
         async def main() -> int:
@@ -286,6 +311,7 @@ def test_backend_failure_never_reaches_the_caller(caplog: pytest.LogCaptureFixtu
             assert asyncio.run(main()) == 50
     finally:
         spanprof.engine.uninstall_label_engine()
+        reset_log_once()
     failures = [r for r in caplog.records if "failed to switch labels" in r.getMessage()]
     assert len(failures) == 1
 
@@ -298,9 +324,10 @@ def test_install_twice_and_uninstall_restore_originals() -> None:
         anyio.to_thread.run_sync,
     )
     backend = RecorderBackend()
-    spanprof.engine.install_label_engine(backend)
+    spanprof.engine.install_label_engine(backend, mechanism="hooks")
     spanprof.engine.install_label_engine(backend)
     assert spanprof.engine.installed_backend() is backend
+    assert _engine.installed_mechanism() == "hooks"
     assert asyncio.Handle._run is not originals[0]
     spanprof.engine.uninstall_label_engine()
     spanprof.engine.uninstall_label_engine()
@@ -331,7 +358,7 @@ def test_main_thread_loops_get_a_step_hook_unless_the_backend_reads_their_contex
         attach_loop()
         factories[where] = asyncio.get_running_loop().get_task_factory()
 
-    spanprof.engine.install_label_engine(backend)
+    spanprof.engine.install_label_engine(backend, mechanism="hooks")
     try:
         run_on("uvloop", lambda: probe("main"))
         thread = threading.Thread(target=run_on, args=("uvloop", lambda: probe("thread")))
@@ -343,13 +370,17 @@ def test_main_thread_loops_get_a_step_hook_unless_the_backend_reads_their_contex
     assert factories["thread"] is not None, factories
 
 
-@pytest.mark.parametrize("engine", ["c", "python"])
+@pytest.mark.parametrize("engine", ["c", "python", "watcher"])
 @pytest.mark.parametrize("reads_context", [False, True])
 def test_no_pushes_for_the_main_thread_when_the_backend_reads_its_context(
     reads_context: bool, engine: str, loop_kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Interleaved labelled tasks push every switch, unless the backend reads the main thread's
-    context itself; thread-pool jobs push theirs either way. With the C hooks and without."""
+    context itself; thread-pool jobs push theirs either way. With the C hooks, without, and
+    with the context watcher."""
+    if engine == "watcher" and "watcher" not in _engine.available_mechanisms():
+        pytest.skip("the context watcher needs CPython 3.14+ and the C extension")
+    mechanism: Mechanism = "watcher" if engine == "watcher" else "hooks"
     if engine == "python":
         for name in ("_CLabelledCoroutine", "_CThreadLabels", "_CHandleRunHook", "_c_set_quiet"):
             monkeypatch.setattr(_engine, name, None, raising=False)
@@ -367,7 +398,7 @@ def test_no_pushes_for_the_main_thread_when_the_backend_reads_its_context(
             await asyncio.get_running_loop().run_in_executor(None, job)
 
     async def scenario() -> None:
-        spanprof.engine.install_label_engine(backend)
+        spanprof.engine.install_label_engine(backend, mechanism=mechanism)
         try:
             backend.clear()
             await asyncio.gather(*(request(i) for i in range(3)))

@@ -82,7 +82,7 @@ def test_a_push_raising_a_base_exception_still_runs_the_step(
         steps.append("second")
         return "done"
 
-    _engine.install_label_engine(backend)
+    _engine.install_label_engine(backend, mechanism="hooks")
     loop = new_loop(kind)
     try:
         loop.set_exception_handler(lambda _loop, context: handled.append(context["exception"]))
@@ -120,7 +120,7 @@ def test_a_push_raising_keyboard_interrupt_runs_the_step_then_stops_the_loop(
         steps.append("second")
         return "done"
 
-    _engine.install_label_engine(backend)
+    _engine.install_label_engine(backend, mechanism="hooks")
     loop = new_loop("asyncio")
     try:
         task = _labelled_task(loop, trigger, job())

@@ -12,7 +12,10 @@ from a worker or script that serves no web requests::
         spanprof.engine.uninstall_label_engine()
 
 Installing patches ``asyncio.Handle._run``, ``ThreadPoolExecutor.submit`` and
-``anyio.to_thread.run_sync`` once; uninstalling restores them.
+``anyio.to_thread.run_sync`` once; uninstalling restores them. On CPython 3.14+,
+``install_label_engine(backend, mechanism="watcher")`` follows context switches with a
+``PyContext_AddWatcher`` callback instead of the ``Handle._run`` patch and task factories (the
+default stays ``"hooks"``, cheaper per step).
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@
  * attribute costs ~60 ns (as much as the rest of a proxied step), and it belongs to the OS
  * thread even when gevent has patched threading.local to be greenlet-local.
  *
+ * On CPython 3.14+ the module also has a context watcher (watch_contexts): a PyContext_AddWatcher
+ * callback that does the same sync after every context switch, with no hook at all; the engine
+ * uses it when installed with mechanism="watcher" (see the section below for its rules).
+ *
  * The extension is optional: spanprof._labels._engine falls back to its Python proxy when this module
  * is missing (no compiler at install time) or cannot load (an isolated subinterpreter).
  */
@@ -1011,6 +1015,187 @@ static PyTypeObject Hook_Type = {
     .tp_new = hook_new,
 };
 
+/* --- the context watcher (CPython 3.14+) ---------------------------------------------------
+ *
+ * From 3.14, PyContext_AddWatcher calls back after every context switch, on the switching
+ * thread: each Context.run in and out, so each step of an asyncio, eager or uvloop task and
+ * each thread-pool job run in a copied context. The switch is done when it is called (its
+ * argument is the now-current context, or None), so PyContextVar_Get reads the labels of the
+ * code about to run: a cached read or a HAMT lookup, no allocation, no Python. Only when they
+ * differ from what the thread last pushed (push_if_changed, the same test as the proxy's and
+ * the hook's) does it call the engine's apply(). On 3.14+ this can replace the Handle._run
+ * hook, the proxy and the task factory: the engine picks one mechanism (see _engine.py).
+ *
+ * What the callback must respect:
+ * - It can run with an exception pending: Context.run and the C Task leave the context after
+ *   a step that raised. That exception is set aside before anything runs and restored after.
+ * - Nothing may escape it: a watcher that returns -1 only gets an "Exception ignored" report,
+ *   and the switch has happened anyway. apply() logs the backend's Exceptions itself; anything
+ *   else it lets out is counted (watch_failures()) and the first such one reported as
+ *   unraisable, except SystemExit and KeyboardInterrupt: their type is raised again in this
+ *   thread, asynchronously (PyThreadState_SetAsyncExc), as if the signal had arrived right
+ *   after the switch, rather than a Ctrl-C lost because it landed inside a push.
+ * - apply() runs Python code, which can switch contexts itself (a backend calling Context.run,
+ *   sys.unraisablehook): those nested switches belong to the push and are ignored, per OS
+ *   thread (in_watcher). Another thread may uninstall while apply() has released the GIL: the
+ *   callback holds references of its own.
+ *
+ * The watcher is per interpreter and this module's state per process (single-phase init):
+ * it is installed in one interpreter at a time. */
+#if PY_VERSION_HEX >= 0x030E0000
+#define SPANPROF_CONTEXT_WATCHER 1
+
+#if defined(_MSC_VER)
+#define SPANPROF_THREAD_LOCAL __declspec(thread)
+#else
+#define SPANPROF_THREAD_LOCAL _Thread_local
+#endif
+
+static int watch_id = -1;                 /* PyContext_AddWatcher's id, -1 when not watching */
+static PyInterpreterState *watch_interp;  /* where it was added */
+static PyObject *watch_var;               /* the labels ContextVar */
+static PyObject *watch_empty;             /* its value in a context that never set it */
+static PyObject *watch_ns;                /* the engine's namespace: "_tls" is read each call */
+static PyObject *watch_apply;             /* apply(labels) */
+static Py_ssize_t watch_failure_count;    /* pushes that raised out of apply() */
+static int watch_reported;                /* the first non-exit failure was reported */
+static SPANPROF_THREAD_LOCAL int in_watcher;
+
+/* A push raised (the exception is set): count it, and never let it out (see above). */
+static void
+watch_failed(void)
+{
+    PyObject *exc = PyErr_GetRaisedException();
+
+    watch_failure_count++;
+    if (exc == NULL) {
+        return;
+    }
+    if (is_exit(exc)) {
+        /* Returns how many thread states it set: this thread's, always found. */
+        (void)PyThreadState_SetAsyncExc(PyThread_get_thread_ident(), (PyObject *)Py_TYPE(exc));
+        Py_DECREF(exc);
+        return;
+    }
+    if (watch_reported) {
+        Py_DECREF(exc);
+        return;
+    }
+    watch_reported = 1;
+    PyErr_SetRaisedException(exc);
+    PyErr_FormatUnraisable("Exception ignored in spanprof's context watcher while pushing "
+                           "labels (later ones are only counted)");
+}
+
+static int
+watch_context(PyContextEvent event, PyObject *Py_UNUSED(context))
+{
+    PyObject *pending, *ns, *apply, *labels;
+
+    if (event != Py_CONTEXT_SWITCHED || in_watcher || watch_var == NULL) {
+        return 0;
+    }
+    in_watcher = 1;
+    pending = PyErr_GetRaisedException();
+    ns = Py_NewRef(watch_ns);
+    apply = Py_NewRef(watch_apply);
+    if (PyContextVar_Get(watch_var, watch_empty, &labels) < 0) {
+        watch_failed();
+    }
+    else {
+        if (push_if_changed(ns, apply, labels) < 0) {
+            watch_failed();
+        }
+        Py_DECREF(labels);
+    }
+    Py_DECREF(apply);
+    Py_DECREF(ns);
+    PyErr_SetRaisedException(pending);
+    in_watcher = 0;
+    return 0;
+}
+
+static PyObject *
+cproxy_watch_contexts(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"labels_var", "empty", "namespace", "apply", NULL};
+    PyObject *var, *empty, *ns, *apply;
+    PyInterpreterState *interp = PyInterpreterState_Get();
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO!O:watch_contexts", kwlist,
+                                     &PyContextVar_Type, &var, &empty, &PyDict_Type, &ns,
+                                     &apply)) {
+        return NULL;
+    }
+    if (!PyCallable_Check(apply)) {
+        PyErr_SetString(PyExc_TypeError, "watch_contexts: apply must be callable");
+        return NULL;
+    }
+    if (watch_id >= 0 && watch_interp != interp) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "watch_contexts: already watching in another interpreter");
+        return NULL;
+    }
+    if (watch_id < 0) {
+        int id = PyContext_AddWatcher(watch_context);
+
+        if (id < 0) {  /* all 8 of the interpreter's watcher ids taken */
+            return NULL;
+        }
+        watch_id = id;
+        watch_interp = interp;
+    }
+    /* Watching again replaces what the callback uses. */
+    Py_XSETREF(watch_var, Py_NewRef(var));
+    Py_XSETREF(watch_empty, Py_NewRef(empty));
+    Py_XSETREF(watch_ns, Py_NewRef(ns));
+    Py_XSETREF(watch_apply, Py_NewRef(apply));
+    watch_failure_count = 0;
+    watch_reported = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+cproxy_unwatch_contexts(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
+{
+    PyObject *var = watch_var, *empty = watch_empty, *ns = watch_ns, *apply = watch_apply;
+
+    if (watch_id < 0) {
+        Py_RETURN_FALSE;
+    }
+    if (watch_interp != PyInterpreterState_Get()) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "unwatch_contexts: the watcher belongs to another interpreter");
+        return NULL;
+    }
+    if (PyContext_ClearWatcher(watch_id) < 0) {
+        return NULL;
+    }
+    watch_id = -1;
+    watch_interp = NULL;
+    /* Cleared before the references go: dropping them can run code that switches contexts. */
+    watch_var = watch_empty = watch_ns = watch_apply = NULL;
+    Py_DECREF(var);
+    Py_DECREF(empty);
+    Py_DECREF(ns);
+    Py_DECREF(apply);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+cproxy_watching_contexts(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
+{
+    return PyBool_FromLong(watch_id >= 0);
+}
+
+static PyObject *
+cproxy_watch_failures(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
+{
+    return PyLong_FromSsize_t(watch_failure_count);
+}
+
+#endif  /* PY_VERSION_HEX >= 0x030E0000 */
+
 static PyObject *
 cproxy_set_quiet(PyObject *Py_UNUSED(module), PyObject *marker)
 {
@@ -1052,6 +1237,25 @@ static PyMethodDef cproxy_methods[] = {
      "current_frames_gc_off()\n--\n\n"
      "sys._current_frames() with the garbage collector off during the call, and back on only\n"
      "if it was on, with no bytecode run in between (gh-106883)."},
+#ifdef SPANPROF_CONTEXT_WATCHER
+    {"watch_contexts", (PyCFunction)(void (*)(void))cproxy_watch_contexts,
+     METH_VARARGS | METH_KEYWORDS,
+     "watch_contexts(labels_var, empty, namespace, apply)\n--\n\n"
+     "After every context switch on any thread (PyContext_AddWatcher, CPython 3.14+), read\n"
+     "labels_var in the now-current context (empty when unset), compare it by identity with\n"
+     "namespace['_tls'].labels and call apply(labels) on a mismatch. Calling it again while\n"
+     "watching replaces the arguments. Nothing raised by apply() escapes (watch_failures())."},
+    {"unwatch_contexts", cproxy_unwatch_contexts, METH_NOARGS,
+     "unwatch_contexts()\n--\n\n"
+     "Remove the watcher (PyContext_ClearWatcher): True if one was installed."},
+    {"watching_contexts", cproxy_watching_contexts, METH_NOARGS,
+     "watching_contexts()\n--\n\nWhether the context watcher is installed."},
+    {"watch_failures", cproxy_watch_failures, METH_NOARGS,
+     "watch_failures()\n--\n\n"
+     "How many pushes raised out of apply() since watch_contexts() (the first non-exit one\n"
+     "was reported as unraisable; SystemExit and KeyboardInterrupt were raised again\n"
+     "asynchronously in their thread)."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

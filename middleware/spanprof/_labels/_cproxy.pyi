@@ -62,3 +62,22 @@ def set_quiet(marker: LabelSet, /) -> None:
 
 def current_frames_gc_off() -> dict[int, FrameType]:
     """``sys._current_frames()`` with the collector off during the call (gh-106883)."""
+
+# The context watcher: only built on CPython 3.14+ (PyContext_AddWatcher); look them up with
+# getattr on older versions.
+def watch_contexts(
+    labels_var: ContextVar[LabelSet],
+    empty: LabelSet,
+    namespace: dict[str, Any],
+    apply: Callable[[LabelSet], object],
+) -> None:
+    """After every context switch, push the now-current context's labels if they changed."""
+
+def unwatch_contexts() -> bool:
+    """Remove the context watcher: whether one was installed."""
+
+def watching_contexts() -> bool:
+    """Whether the context watcher is installed."""
+
+def watch_failures() -> int:
+    """How many pushes raised out of ``apply`` since ``watch_contexts``."""

@@ -3,24 +3,33 @@
 The profiler attributes a sample to the labels of the *OS thread* it was taken on, but labels
 live in a ContextVar, and on an event loop one thread runs many contexts in turn. So the engine
 hooks every place where a thread starts running code of another context and, only when the label
-set differs from what that thread last pushed, tells the backend:
+set differs from what that thread last pushed, tells the backend. It follows those switches
+with one of two mechanisms (``MECHANISMS``, chosen at install):
 
-- asyncio: ``Handle._run`` (every task step and callback runs in its handle's context);
-- loops whose handles are compiled (uvloop): a task factory whose coroutine proxy re-syncs on
-  every ``send``/``throw``; the same factory re-syncs after eager tasks (3.12+) ran their first
-  step inside the creating call;
-- thread pools: ``ThreadPoolExecutor.submit`` (so ``loop.run_in_executor`` and
-  ``asyncio.to_thread``) and ``anyio.to_thread.run_sync`` (Starlette's ``run_in_threadpool``)
-  run the job with the submitter's labels and clear the worker's labels afterwards;
+- ``"hooks"`` (every version; the default, cheaper per step): asyncio's ``Handle._run`` (every
+  task step and callback runs in its handle's context); on loops whose handles are compiled
+  (uvloop), a task factory whose coroutine proxy re-syncs on every ``send``/``throw``, the same
+  factory re-syncing after eager tasks (3.12+) ran their first step inside the creating call;
+  a trio instrument's ``before_task_step``;
+- ``"watcher"`` (CPython 3.14+, with the C extension): a ``PyContext_AddWatcher`` callback runs
+  after every context switch on every thread (each asyncio, eager, uvloop and trio task step
+  in and out, each ``Context.run``) and pushes the now-current context's labels.
+
+And with either:
+
+- thread pools: ``ThreadPoolExecutor.submit`` (so ``loop.run_in_executor``, which runs the job
+  outside any copied context, and ``asyncio.to_thread``) and ``anyio.to_thread.run_sync``
+  (Starlette's ``run_in_threadpool``) run the job with the submitter's labels and clear the
+  worker's labels afterwards;
 - code that sets labels itself (``profile_labels``, the middlewares) calls ``sync()``, because a
-  ``ContextVar.set`` fires no hook.
+  ``ContextVar.set`` fires neither a hook nor the watcher.
 
 Nothing is patched at import time: ``install_label_engine`` patches, ``uninstall_label_engine``
 restores the originals.
 
-The ``Handle._run`` hook, the coroutine proxy and the per-thread state come in C
-(``spanprof._cproxy``) when the package was built with a compiler; without it the Python versions
-below do the same, slower.
+The context watcher, the ``Handle._run`` hook, the coroutine proxy and the per-thread state come
+in C (``spanprof._cproxy``) when the package was built with a compiler; without it the engine
+uses the hooks, in their Python versions below, slower.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import weakref
 from asyncio import format_helpers
 from collections.abc import Callable, Coroutine, Generator
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from .._logging import log_once
 from ._backend import ProfilerBackend, ReadsMainThreadContext
@@ -49,20 +58,31 @@ if TYPE_CHECKING:
     from ._cproxy import LabelledCoroutine as _CLabelledCoroutine
     from ._cproxy import ThreadLabels as _CThreadLabels
     from ._cproxy import set_quiet as _c_set_quiet
+    from ._cproxy import unwatch_contexts as _c_unwatch_contexts
+    from ._cproxy import watch_contexts as _c_watch_contexts
 elif cproxy is not None:
     _CHandleRunHook = cproxy.HandleRunHook
     _CLabelledCoroutine = cproxy.LabelledCoroutine
     _CThreadLabels = cproxy.ThreadLabels
     _c_set_quiet = cproxy.set_quiet
+    # Only built on CPython 3.14+ (PyContext_AddWatcher).
+    _c_watch_contexts = getattr(cproxy, "watch_contexts", None)
+    _c_unwatch_contexts = getattr(cproxy, "unwatch_contexts", None)
 else:  # no C extension here: the Python versions below do the same
     _CHandleRunHook = _CLabelledCoroutine = _CThreadLabels = _c_set_quiet = None
+    _c_watch_contexts = _c_unwatch_contexts = None
 
 __all__ = [
+    "MECHANISMS",
+    "Mechanism",
     "apply",
     "attach_loop",
+    "available_mechanisms",
     "check_native_thread_state",
+    "default_mechanism",
     "install_label_engine",
     "installed_backend",
+    "installed_mechanism",
     "run_labelled",
     "run_steps_hooked",
     "steps_hooked",
@@ -71,6 +91,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+Mechanism = Literal["watcher", "hooks"]
+MECHANISMS: tuple[Mechanism, ...] = ("hooks", "watcher")
 
 
 def _native_thread_local() -> type[threading.local]:
@@ -109,6 +132,8 @@ def _new_thread_state() -> _PerThread:
 
 _tls = _new_thread_state()
 _backend: ProfilerBackend | None = None
+# How the installed engine follows context switches; None while it is not installed.
+_mechanism: Mechanism | None = None
 _lock = threading.RLock()
 _restore: list[Callable[[], None]] = []
 _fork_hook_registered = False
@@ -172,6 +197,33 @@ def check_native_thread_state() -> None:
 def installed_backend() -> ProfilerBackend | None:
     """The backend the engine currently feeds, or ``None`` when it is not installed."""
     return _backend
+
+
+def available_mechanisms() -> tuple[Mechanism, ...]:
+    """The mechanisms this interpreter supports: ``"hooks"`` runs everywhere; ``"watcher"``
+    needs CPython 3.14+ and the C extension."""
+    if _c_watch_contexts is None:
+        return ("hooks",)
+    return MECHANISMS
+
+
+def default_mechanism() -> Mechanism:
+    """What ``install_label_engine`` uses unless told otherwise: ``"hooks"``, on 3.14+ too.
+
+    Measured on 3.14 (docs/benchmarks.md, "context watcher vs hooks"): the watcher runs on
+    entering each step's context *and* on leaving it for the loop's own, unlabelled context,
+    so a labelled step costs two pushes where the hooks push only when the next step's labels
+    differ from the last (none while they stay the same); with nothing to push it still costs
+    ~100-125 ns a step, where the C ``Handle._run`` replacement costs less than no hook. The
+    watcher's gain is exactness between steps (the loop's own work runs unlabelled) and
+    covering any ``Context.run`` without a hook per library.
+    """
+    return "hooks"
+
+
+def installed_mechanism() -> Mechanism | None:
+    """How the installed engine follows context switches, or ``None`` when not installed."""
+    return _mechanism
 
 
 # --- asyncio handles -------------------------------------------------------------------------
@@ -373,8 +425,8 @@ def steps_hooked() -> bool:
     Its steps run under whatever labels the last hooked step pushed, unless its code runs
     inside ``run_steps_hooked``. Cheap enough to ask once per request.
     """
-    if _backend is None:
-        return True
+    if _backend is None or _mechanism == "watcher":
+        return True  # the watcher sees every step of every task
     try:
         task = asyncio.current_task()
     except RuntimeError:  # no asyncio loop running here (trio has its own instrument)
@@ -412,7 +464,9 @@ class _LabelTaskFactory:
     def __call__(
         self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
     ) -> asyncio.Future[Any]:
-        engaged = _backend is not None
+        # Left on a loop by a "hooks" engine that was since reinstalled as a "watcher" one, it
+        # passes through: the watcher sees the steps and the eager start.
+        engaged = _backend is not None and _mechanism == "hooks"
         # Not a coroutine: left unwrapped, so the task raises its usual TypeError at once.
         if engaged and self.wrap_coroutines and asyncio.iscoroutine(coro):
             coro = _labelled(coro)
@@ -436,7 +490,9 @@ def attach_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
 
     Pure-Python asyncio loops need nothing unless they use a task factory (eager tasks). uvloop
     and other compiled loops get a task factory whose coroutines sync labels on every step.
-    Cheap to call on every request: it remembers the last loop it saw.
+    With the context watcher no loop needs anything. Either way, the main thread of a backend
+    that reads its context itself is left alone from here on. Cheap to call on every request:
+    it remembers the last loop it saw.
     """
     global _seen_loop
     if _backend is None:
@@ -453,7 +509,7 @@ def attach_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
     if _samples_context_here():
         # No task factory, and the step hooks leave this thread alone.
         _tls.labels = _QUIET
-    elif not isinstance(factory, _LabelTaskFactory):
+    elif _mechanism == "hooks" and not isinstance(factory, _LabelTaskFactory):
         python_handles = isinstance(loop, asyncio.BaseEventLoop)
         if not python_handles or factory is not None:
             loop.set_task_factory(
@@ -499,7 +555,7 @@ def _attach_trio() -> None:
     _seen_trio = token
     if _samples_context_here():
         _tls.labels = _QUIET
-    else:
+    elif _mechanism == "hooks":  # trio runs each step in task.context.run: the watcher sees it
         lowlevel.add_instrument(_TRIO_LABELS)
 
 
@@ -609,17 +665,45 @@ def _patch_trio() -> Callable[[], None] | None:
 # --- install / uninstall -----------------------------------------------------------------------
 
 
-def _install_patches() -> None:
+def _unwatch_contexts() -> None:
+    if _c_unwatch_contexts is not None:
+        _c_unwatch_contexts()
+
+
+def _watch_contexts() -> bool:
+    # Reads ``_tls`` from this module's namespace on every switch, like the C proxy.
+    if _c_watch_contexts is None:
+        return False
+    try:
+        _c_watch_contexts(LABELS, EMPTY, globals(), apply)
+    except RuntimeError:  # the interpreter's 8 context watcher ids are all taken
+        log_once(
+            "engine-no-watcher-id",
+            "spanprof: no context watcher id left in this interpreter (other libraries hold "
+            "all 8); the label engine uses its hooks instead (logged once)",
+        )
+        return False
+    _restore.append(_unwatch_contexts)
+    return True
+
+
+def _install_patches(mechanism: Mechanism) -> Mechanism:
+    # The mechanism installed: the hooks when the watcher cannot be had.
     if _c_set_quiet is not None:
         _c_set_quiet(_QUIET)
-    setattr(asyncio.Handle, "_run", _handle_run_hook())  # noqa: B010 - a method swap mypy forbids
-    _restore.append(lambda: setattr(asyncio.Handle, "_run", _orig_handle_run))
+    if mechanism == "watcher" and _watch_contexts():
+        installed: Mechanism = "watcher"
+    else:
+        installed = "hooks"
+        setattr(asyncio.Handle, "_run", _handle_run_hook())  # noqa: B010 - a swap mypy forbids
+        _restore.append(lambda: setattr(asyncio.Handle, "_run", _orig_handle_run))
     concurrent.futures.ThreadPoolExecutor.submit = _submit  # type: ignore[method-assign,assignment]
     _restore.append(lambda: setattr(concurrent.futures.ThreadPoolExecutor, "submit", _orig_submit))
     for patch in (_patch_anyio, _patch_trio):
         restore = patch()
         if restore is not None:
             _restore.append(restore)
+    return installed
 
 
 def _after_fork_in_child() -> None:
@@ -630,20 +714,39 @@ def _after_fork_in_child() -> None:
     _seen_loop = _seen_trio = None
 
 
-def install_label_engine(backend: ProfilerBackend) -> None:
+def install_label_engine(backend: ProfilerBackend, *, mechanism: Mechanism | None = None) -> None:
     """Feed ``backend`` with every thread's label switches, patching the runtime once.
 
-    Installing again with the same backend does nothing; with another backend, the engine
-    switches to it (threads re-push their labels on their next switch). Also hooks the running
-    event loop, if called from one.
+    Installing again with the same backend and mechanism does nothing; with another backend,
+    the engine switches to it (threads re-push their labels on their next switch), with another
+    mechanism it swaps its patches. Also hooks the running event loop, if called from one.
+
+    Args:
+        backend: the profiler backend told about every thread's label changes.
+        mechanism: how context switches are followed: ``"hooks"`` or ``"watcher"`` (CPython
+            3.14+, needs the C extension); default: the installed engine's, or
+            ``default_mechanism()`` when it is not installed. ``ValueError`` if this
+            interpreter lacks it (see ``available_mechanisms()``). Should the interpreter have
+            no context watcher id left (8, shared by all libraries), the engine logs it once and
+            uses the hooks (``installed_mechanism()`` says which runs).
     """
-    global _backend, _tls, _fork_hook_registered, _seen_loop, _seen_trio
+    global _backend, _tls, _fork_hook_registered, _seen_loop, _seen_trio, _mechanism
+    if mechanism is not None and mechanism not in available_mechanisms():
+        raise ValueError(
+            f"label engine mechanism {mechanism!r} is not available here (available: "
+            f"{', '.join(available_mechanisms())}); 'watcher' needs CPython 3.14+ and "
+            "spanprof's C extension"
+        )
     with _lock:
-        if _backend is backend:
+        wanted = mechanism or _mechanism or default_mechanism()
+        if _backend is backend and _mechanism == wanted:
             attach_loop()
             return
+        if _restore and _mechanism != wanted:
+            while _restore:
+                _restore.pop()()
         if not _restore:
-            _install_patches()
+            _mechanism = _install_patches(wanted)
         if not _fork_hook_registered:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _fork_hook_registered = True
@@ -660,7 +763,7 @@ def uninstall_label_engine() -> None:
     The calling thread's labels are cleared on the backend first. Loops other than the running
     one keep a pass-through task factory until they close.
     """
-    global _backend, _tls, _seen_loop, _seen_trio
+    global _backend, _tls, _seen_loop, _seen_trio, _mechanism
     with _lock:
         if _backend is None:
             return
@@ -670,5 +773,6 @@ def uninstall_label_engine() -> None:
         with contextlib.suppress(RuntimeError):  # not called from a running loop
             _detach_loop(asyncio.get_running_loop())
         _backend = None
+        _mechanism = None
         _tls = _new_thread_state()
         _seen_loop = _seen_trio = None

@@ -10,7 +10,12 @@ import weakref
 from collections.abc import Callable, Iterator
 
 from .._labels._backend import EndsSpans, ProfilerBackend, SpanUsage
-from .._labels._engine import install_label_engine, installed_backend, uninstall_label_engine
+from .._labels._engine import (
+    Mechanism,
+    install_label_engine,
+    installed_backend,
+    uninstall_label_engine,
+)
 from .._labels._greenlets import greenlets_in_use, install_greenlet_labels
 from .._logging import log_once, logger
 from ._pyroscope import PyroscopeBackend
@@ -38,13 +43,19 @@ class ProfilerRuntime:
 
     Remembers the pid it started in, so a worker forked after a start (gunicorn's
     ``preload_app``, a request served by a master) starts its own profiler instead of trusting
-    the parent's, which the agent does not carry over a fork.
+    the parent's, which the agent does not carry over a fork. ``mechanism`` is how the engine
+    follows context switches (``install_label_engine``'s; ``None``: its default).
     """
 
     def __init__(
-        self, backend: ProfilerBackend | None, *, shutdown_timeout: float = SHUTDOWN_TIMEOUT_SECONDS
+        self,
+        backend: ProfilerBackend | None,
+        *,
+        shutdown_timeout: float = SHUTDOWN_TIMEOUT_SECONDS,
+        mechanism: Mechanism | None = None,
     ) -> None:
         self.backend = backend
+        self.mechanism = mechanism
         self.shutdown_timeout = shutdown_timeout
         self._lock = threading.Lock()
         self._pid: int | None = None
@@ -79,7 +90,7 @@ class ProfilerRuntime:
                     "without profiles (logged once)",
                 )
             else:
-                install_label_engine(backend)
+                install_label_engine(backend, mechanism=self.mechanism)
                 _started.add(self)
                 _follow_greenlets()
                 if isinstance(backend, PyroscopeBackend):

@@ -19,6 +19,7 @@ from opentelemetry.util.http import ExcludeList, parse_excluded_urls
 
 from .._config import parse_bool
 from .._labels._backend import ProfilerBackend
+from .._labels._engine import MECHANISMS, Mechanism, available_mechanisms
 from .._profiling._choose import FROM_ENV, FromEnv, choose_profiler
 from .._profiling._runtime import ProfilerRuntime
 from .._signals._duration import DurationRecorder
@@ -55,7 +56,9 @@ class ProfilingOptions(TypedDict, total=False):
         route_slos: per-route SLOs by template, e.g. ``{"/checkout": 0.25}`` (or
             ``SPANPROF_ROUTE_SLO="/checkout=0.25,/search=1"``).
         prometheus: also record the histogram (with exemplars) in this ``PrometheusMetrics``.
-        environ: the environment to read settings from (default ``os.environ``).
+        environ: the environment to read settings from (default ``os.environ``), including
+            ``SPANPROF_LABEL_ENGINE`` (``hooks`` or ``watcher``: how the label engine follows
+            context switches; see README, "Configuration").
     """
 
     profiler: ProfilerBackend | FromEnv | None
@@ -71,6 +74,24 @@ class ProfilingOptions(TypedDict, total=False):
 
 
 _OPTION_NAMES = frozenset(ProfilingOptions.__annotations__)
+
+
+def _label_engine(env: Mapping[str, str]) -> Mechanism | None:
+    """``SPANPROF_LABEL_ENGINE``: the engine's mechanism, or ``None`` for its default."""
+    raw = env.get("SPANPROF_LABEL_ENGINE", "").strip().lower()
+    if not raw:
+        return None
+    for mechanism in MECHANISMS:
+        if raw == mechanism:
+            if mechanism not in available_mechanisms():
+                raise ValueError(
+                    f"SPANPROF_LABEL_ENGINE={raw!r}: the context watcher needs CPython 3.14+ "
+                    "and spanprof's C extension; unset it or use 'hooks'"
+                )
+            return mechanism
+    raise ValueError(
+        f"SPANPROF_LABEL_ENGINE={raw!r}: expected one of {', '.join(MECHANISMS)} (or unset)"
+    )
 
 
 @dataclass(frozen=True)
@@ -124,7 +145,7 @@ class MiddlewareSettings:
         )
         excluded_urls = options.get("excluded_urls")
         return cls(
-            runtime=ProfilerRuntime(backend),
+            runtime=ProfilerRuntime(backend, mechanism=_label_engine(env)),
             with_trace_id=trace_id_label,
             durations=durations,
             tracer_provider=options.get("tracer_provider"),
