@@ -142,11 +142,7 @@ class SloHold:
             def put(key: _Key, weight: int, count: int, ended: bool, breached: bool | None) -> None:
                 sid, labels = key
                 if ended and breached is not None:
-                    cached = labelled.get((labels, breached))
-                    if cached is None:
-                        cached = labels.merged({SLO_LABEL: BREACHED if breached else OK})
-                        labelled[(labels, breached)] = cached
-                    labels = cached
+                    labels = _with_verdict(labelled, labels, breached)
                     self.labelled_ns += weight
                 key = (sid, labels)
                 values[key] = values.get(key, 0) + weight
@@ -228,11 +224,7 @@ class SloHold:
         if ended or not max_age:
             if breached is None:
                 return labels
-            cached = labelled.get((labels, breached))
-            if cached is None:
-                cached = labels.merged({SLO_LABEL: BREACHED if breached else OK})
-                labelled[(labels, breached)] = cached
-            return cached
+            return _with_verdict(labelled, labels, breached)
         pending = self._held.get(span_id)
         if pending is None:
             pending = self._held[span_id] = _Held(tables, self._takes)
@@ -258,6 +250,18 @@ class SloHold:
             "slo_held_samples": self._held_keys,
             "slo_held_peak": self.held_peak,
         }
+
+
+def _with_verdict(
+    cache: dict[tuple[LabelSet, bool], LabelSet], labels: LabelSet, breached: bool
+) -> LabelSet:
+    """``labels`` plus ``slo``, made once per upload for each label set and verdict."""
+    labelled = cache.get((labels, breached))
+    if labelled is None:
+        labelled = cache[(labels, breached)] = labels.merged(
+            {SLO_LABEL: BREACHED if breached else OK}
+        )
+    return labelled
 
 
 def _foreign(window: Window, frames: tuple[Frame, ...]) -> int:
