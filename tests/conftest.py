@@ -9,6 +9,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -111,3 +113,31 @@ MEMORY_VERSIONS = pytest.mark.skipif(
     not MEMORY_SAMPLED,
     reason="allocation sampling supports CPython 3.10-3.13 (it refuses later ones, tested)",
 )
+
+
+@pytest.fixture
+def metric_reader() -> InMemoryMetricReader:
+    """An in-memory reader on a fresh MeterProvider with the SDK's default exemplar settings."""
+    return InMemoryMetricReader()
+
+
+@pytest.fixture
+def meter_provider(metric_reader: InMemoryMetricReader) -> Iterator[MeterProvider]:
+    """A MeterProvider read by ``metric_reader``."""
+    provider = MeterProvider(metric_readers=[metric_reader])
+    yield provider
+    provider.shutdown()
+
+
+def histogram_points(reader: InMemoryMetricReader, name: str) -> list[HistogramDataPoint]:
+    """Every data point of histogram ``name`` that ``reader`` collects now."""
+    data = reader.get_metrics_data()
+    points: list[HistogramDataPoint] = []
+    if data is None:
+        return points
+    for resource_metrics in data.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                if metric.name == name:
+                    points.extend(p for p in metric.data.data_points)  # type: ignore[misc]
+    return points

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
@@ -19,6 +18,8 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from spanprof import ProfilingMiddleware, SloPolicy
+
+from .conftest import histogram_points
 
 
 async def _sleepy(request: Request) -> Response:
@@ -48,33 +49,6 @@ def _app() -> Starlette:
             Route("/stream", _stream),
         ]
     )
-
-
-@pytest.fixture
-def metric_reader() -> InMemoryMetricReader:
-    """An in-memory reader on a fresh MeterProvider with the SDK's default exemplar settings."""
-    return InMemoryMetricReader()
-
-
-@pytest.fixture
-def meter_provider(metric_reader: InMemoryMetricReader) -> Iterator[MeterProvider]:
-    """A MeterProvider read by ``metric_reader``."""
-    provider = MeterProvider(metric_readers=[metric_reader])
-    yield provider
-    provider.shutdown()
-
-
-def _points(reader: InMemoryMetricReader, name: str) -> list[HistogramDataPoint]:
-    data = reader.get_metrics_data()
-    points: list[HistogramDataPoint] = []
-    if data is None:
-        return points
-    for resource_metrics in data.resource_metrics:
-        for scope_metrics in resource_metrics.scope_metrics:
-            for metric in scope_metrics.metrics:
-                if metric.name == name:
-                    points.extend(p for p in metric.data.data_points)  # type: ignore[misc]
-    return points
 
 
 def _server_spans(exporter: InMemorySpanExporter) -> list[ReadableSpan]:
@@ -127,7 +101,7 @@ def test_exemplars_exactly_for_breaching_requests(
         assert span.attributes is not None
         threshold = span.attributes["spanprof.slo.threshold_s"]
         assert threshold == (0.05 if span.attributes["http.route"] == "/checkout" else 0.2)
-    points = _points(metric_reader, "http.server.request.duration")
+    points = histogram_points(metric_reader, "http.server.request.duration")
     assert sum(p.count for p in points) == 5  # exactly one stream entry per request
     exemplars = [e for p in points for e in p.exemplars]
     assert {e.span_id for e in exemplars} == set(breached)
@@ -160,7 +134,7 @@ def test_failures_carry_error_type_and_streaming_counts_in_full(
     assert _run(app, ["/fail", "/stream"]) == [500, 200]
     points = {
         (p.attributes or {})["http.route"]: p
-        for p in _points(metric_reader, "http.server.request.duration")
+        for p in histogram_points(metric_reader, "http.server.request.duration")
     }
     fail = points["/fail"]
     assert fail.attributes is not None
@@ -218,10 +192,10 @@ def test_users_own_histogram_keeps_its_exemplars(
         environ={},
     )
     assert _run(app, ["/work"]) == [200]
-    (user_point,) = _points(metric_reader, "user.work")
+    (user_point,) = histogram_points(metric_reader, "user.work")
     assert len(user_point.exemplars) == 1
     assert user_point.exemplars[0].span_id is not None
-    (ours,) = _points(metric_reader, "http.server.request.duration")
+    (ours,) = histogram_points(metric_reader, "http.server.request.duration")
     assert ours.exemplars == []
 
 

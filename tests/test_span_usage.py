@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
@@ -23,6 +22,8 @@ from starlette.routing import Route
 from spanprof import ProfilingMiddleware, RecorderBackend, WSGIProfilingMiddleware
 from spanprof._labels._backend import SpanUsage
 from spanprof._labels._labelset import LABELS
+
+from .conftest import histogram_points
 
 CPU_NS = 1_234_567
 
@@ -61,31 +62,6 @@ async def _fail(request: Request) -> Response:
     raise ValueError("nope")
 
 
-@pytest.fixture
-def metric_reader() -> InMemoryMetricReader:
-    """An in-memory metric reader."""
-    return InMemoryMetricReader()
-
-
-@pytest.fixture
-def meter_provider(metric_reader: InMemoryMetricReader) -> Iterator[MeterProvider]:
-    """A MeterProvider read by ``metric_reader``."""
-    provider = MeterProvider(metric_readers=[metric_reader])
-    yield provider
-    provider.shutdown()
-
-
-def _points(reader: InMemoryMetricReader, name: str) -> list[HistogramDataPoint]:
-    data = reader.get_metrics_data()
-    points: list[HistogramDataPoint] = []
-    for resource_metrics in data.resource_metrics if data is not None else ():
-        for scope_metrics in resource_metrics.scope_metrics:
-            for metric in scope_metrics.metrics:
-                if metric.name == name:
-                    points.extend(metric.data.data_points)  # type: ignore[arg-type]
-    return points
-
-
 def _server_spans(exporter: InMemorySpanExporter) -> dict[str, ReadableSpan]:
     spans = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
     return {format(s.context.span_id, "016x"): s for s in spans if s.context is not None}
@@ -105,7 +81,7 @@ def _check(
         attributes = spans[span_id].attributes or {}
         assert breached is bool(attributes.get("spanprof.slo.breached", False)), span_id
         assert attributes["spanprof.cpu_time_s"] == pytest.approx(CPU_NS / 1e9)
-    points = _points(reader, "http.server.request.cpu_time")
+    points = histogram_points(reader, "http.server.request.cpu_time")
     assert sum(p.count for p in points) == requests
     assert sum(p.sum for p in points) == pytest.approx(requests * CPU_NS / 1e9)
 
@@ -218,5 +194,7 @@ def test_requests_without_samples_record_no_cpu_time(
     assert asyncio.run(main()) == 200
     (span,) = _server_spans(span_exporter).values()
     assert (span.attributes or {})["spanprof.cpu_time_s"] == 0
-    assert _points(metric_reader, "http.server.request.cpu_time") == []
-    assert sum(p.count for p in _points(metric_reader, "http.server.request.duration")) == 1
+    assert histogram_points(metric_reader, "http.server.request.cpu_time") == []
+    assert (
+        sum(p.count for p in histogram_points(metric_reader, "http.server.request.duration")) == 1
+    )
