@@ -266,3 +266,18 @@ def test_memory_windows_hold_allocations_and_pass_in_use_memory_on() -> None:
     labelled = span.merged({"slo": "breached"})
     assert out.values == {(sid, labelled): 5120}
     assert out.alloc_objects == {(sid, labelled): 5}
+
+
+def test_a_span_still_running_across_a_table_swap_is_counted() -> None:
+    """Its new samples go out at once, unlabelled, and the hold says how many spans did so."""
+    source = _Source()
+    hold = SloHold(source.take, max_windows=3)
+    span = _labels(11)
+    source.add(source.stack("before"), span, 5)
+    hold.take_window()
+    source.swap_tables()
+    source.add(source.stack("after"), span, 7)
+    assert _by_slo(hold.take_window()) == {(span["span_id"], None): 7}
+    assert hold.stats()["slo_swapped_spans"] == 1
+    hold.end_span(span["span_id"], False)
+    assert _by_slo(hold.take_window()) == {(span["span_id"], "ok"): 5}

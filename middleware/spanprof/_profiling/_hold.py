@@ -87,7 +87,7 @@ class SloHold:
         self._held_keys = 0
         self._lock = threading.Lock()
         self._closing = False
-        self._overflow_spans = 0
+        self.swapped_spans = 0
         self._takes = 0
         self.labelled_ns = 0
         self.released_ns = 0
@@ -230,7 +230,7 @@ class SloHold:
             pending = self._held[span_id] = _Held(tables, self._takes)
         elif pending.tables is not tables:
             # Held across a table swap (one table per span): this upload's samples go now.
-            self._overflow_spans += 1
+            self.swapped_spans += 1
             return labels
         return pending
 
@@ -245,6 +245,9 @@ class SloHold:
             "slo_released_ms": self.released_ns / 1e6,
             "slo_expired_ms": self.expired_ns / 1e6,
             "slo_overflow_ms": self.overflow_ns / 1e6,
+            # Spans whose samples went out unlabelled because the sampler's stack tables were
+            # reset while some of them were held.
+            "slo_swapped_spans": self.swapped_spans,
             "slo_verdicts_dropped": self.verdicts_dropped,
             "slo_held_spans": len(self._held),
             "slo_held_samples": self._held_keys,
