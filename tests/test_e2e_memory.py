@@ -186,6 +186,26 @@ def _check(
     truth = {i: result["allocated"] for i, result in results.items()}
     for i in range(CONCURRENCY):
         assert allocated.get(i, 0) == pytest.approx(truth[i], rel=_bound(truth[i])), (i, summary)
+    # Each span ended with what its sampled allocations stand for: the same samples as the
+    # profiles' (all of them, the marker functions and the rest of the request's work).
+    by_span: dict[str, int] = {}
+    for sample in samples:
+        spans = sample.label_values("span_id")
+        if len(spans) == 1:
+            by_span[spans[0]] = by_span.get(spans[0], 0) + sample.values[1]
+    span_alloc = stats["span_alloc_bytes"]
+    for i in range(CONCURRENCY):
+        span_id = expected[i]["span_id"]
+        alloc_bytes = span_alloc[span_id]
+        assert isinstance(alloc_bytes, int), (i, span_alloc)
+        assert alloc_bytes == pytest.approx(truth[i], rel=_bound(truth[i])), (i, alloc_bytes)
+        # What the response's own sending allocates comes after the span's end: one sample
+        # more at most, in the profiles only.
+        assert by_span[span_id] - SAMPLE_BYTES * 2 <= alloc_bytes <= by_span[span_id] + 16, (
+            i,
+            alloc_bytes,
+            by_span[span_id],
+        )
     pooled = sum(truth.values())
     assert sum(allocated.values()) == pytest.approx(pooled, rel=_bound(pooled))
 

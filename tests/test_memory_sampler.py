@@ -182,7 +182,9 @@ def test_freed_blocks_leave_in_use_and_kept_ones_stay() -> None:
         tolerance = bound(len(kept) * p) + LIST_OVERHEAD
         assert total(kept_rows, 3) == pytest.approx(truth, rel=tolerance), kept_rows
         assert total(dropped_rows, 1) == pytest.approx(truth, rel=tolerance), dropped_rows
-        assert total(dropped_rows, 3) == 0, dropped_rows
+        # Freed, all but (on 3.10) the comprehension's frame, which CPython keeps on its code
+        # object for the next call ("zombie frame"): one sample of ~400 bytes, now and then.
+        assert total(dropped_rows, 3) <= 0.001 * truth, dropped_rows
         # Allocation values are per window; in-use is a snapshot, and follows frees.
         del kept
         later = sampler.take_window()
@@ -394,3 +396,89 @@ def test_drain_thread_keeps_the_buffer_from_filling() -> None:
         stats = sampler.stats()
     assert stats["drains"] >= 10, stats
     assert stats["dropped"] == 0, stats
+
+
+# --- per-span totals (spanprof.alloc_bytes) -----------------------------------------------------
+
+
+def span_allocates(count: int) -> list[bytes]:
+    return [bytes(PAYLOAD) for _ in repeat(None, count)]
+
+
+def span_bytes_in(window: MemoryWindow, span_id: str) -> float:
+    return sum(v for (_sid, labels), v in window.values.items() if labels.get("span_id") == span_id)
+
+
+def test_a_span_total_is_what_its_samples_stand_for_drained_or_not() -> None:
+    """take_span counts every sample of the span, under any of its label sets, before any drain,
+    and equals what the same samples add up to in the window; then it is forgotten."""
+    base = LabelSet({"span_id": "a" * 16, "trace_id": "t" * 32})
+    nested = base.merged({"tenant": "x"})  # a user label inside the request: same span
+    other = LabelSet({"span_id": "b" * 16})
+    count = 20_000
+    with sampling(sample_bytes=16 * 1024) as sampler:
+        token = LABELS.set(base)
+        try:
+            kept = span_allocates(count)
+            inner = LABELS.set(nested)
+            try:
+                kept += span_allocates(count)
+            finally:
+                LABELS.reset(inner)
+        finally:
+            LABELS.reset(token)
+        token = LABELS.set(other)
+        try:
+            churn(count)
+        finally:
+            LABELS.reset(token)
+        churn(count)  # unlabelled
+        # Nothing drained yet: the totals come from the hook itself.
+        assert sampler.stats()["drains"] == 0
+        taken = sampler.span_alloc_bytes("a" * 16)
+        again = sampler.span_alloc_bytes("a" * 16)
+        window = sampler.take_window()
+        stats = sampler.stats()
+    assert taken is not None
+    assert again == 0
+    p = -math.expm1(-BLOCK / (16 * 1024))
+    truth = 2 * count * BLOCK
+    assert taken == pytest.approx(truth, rel=bound(2 * count * p) + LIST_OVERHEAD), stats
+    # The same samples, scaled the same way: equal to rounding.
+    assert taken == pytest.approx(span_bytes_in(window, "a" * 16), abs=2.0)
+    assert stats["span_totals"] == 1, stats  # b is still in flight, a was taken
+    del kept
+
+
+def test_a_span_total_outside_a_running_sampler_is_none() -> None:
+    _available()
+    sampler = MemorySampler(seed=1)
+    assert sampler.span_alloc_bytes("a" * 16) is None
+
+
+def test_span_totals_are_bounded_and_unended_spans_are_swept() -> None:
+    """More in-flight spans than the table holds are counted, not stored; spans nobody ends are
+    swept after enough drains, so later spans find room again."""
+    with sampling(sample_bytes=256, max_samples=200_000) as sampler:
+        for i in range(5000):
+            token = LABELS.set(LabelSet({"span_id": f"{i:016x}"}))
+            try:
+                churn(4)  # 4 KB at a 256-byte mean: sampled, bar one in 10**6
+            finally:
+                LABELS.reset(token)
+        full = sampler.stats()
+        for _ in range(242):
+            sampler.drain()
+        swept = sampler.stats()
+        token = LABELS.set(LabelSet({"span_id": "late" + "0" * 12}))
+        try:
+            churn(4)
+        finally:
+            LABELS.reset(token)
+        late = sampler.span_alloc_bytes("late" + "0" * 12)
+    assert full["span_totals"] == 4096, full
+    assert full["span_full"] > 0, full
+    assert swept["span_totals"] == 0, swept
+    assert swept["span_expired"] == 4096, swept
+    assert late is not None
+    assert late > 0

@@ -31,17 +31,20 @@ CPU_NS = 1_234_567
 class _EndingBackend(RecorderBackend):
     """A recorder that also takes span ends, as the exact backend does."""
 
-    def __init__(self, *, fail: bool = False, cpu_ns: int = CPU_NS) -> None:
+    def __init__(
+        self, *, fail: bool = False, cpu_ns: int = CPU_NS, alloc_bytes: int | None = None
+    ) -> None:
         super().__init__()
         self.ended: list[tuple[str, bool | None]] = []
         self.fail = fail
         self.cpu_ns = cpu_ns
+        self.alloc_bytes = alloc_bytes
 
     def end_span(self, span_id: str, breached: bool | None) -> SpanUsage | None:
         if self.fail:
             raise RuntimeError("injected")
         self.ended.append((span_id, breached))
-        return SpanUsage(self.cpu_ns)
+        return SpanUsage(self.cpu_ns, self.alloc_bytes)
 
 
 async def _sleepy(request: Request) -> Response:
@@ -81,6 +84,8 @@ def _check(
         attributes = spans[span_id].attributes or {}
         assert breached is bool(attributes.get("spanprof.slo.breached", False)), span_id
         assert attributes["spanprof.cpu_time_s"] == pytest.approx(CPU_NS / 1e9)
+        # Only a backend sampling allocations reports them.
+        assert attributes.get("spanprof.alloc_bytes") == backend.alloc_bytes
     points = histogram_points(reader, "http.server.request.cpu_time")
     assert sum(p.count for p in points) == requests
     assert sum(p.sum for p in points) == pytest.approx(requests * CPU_NS / 1e9)
@@ -93,7 +98,7 @@ def test_asgi_tells_the_profiler_each_verdict_while_the_span_is_open(
     metric_reader: InMemoryMetricReader,
 ) -> None:
     """Fast, slow, streamed and failing requests: one end_span each, verdict as on the span."""
-    backend = _EndingBackend()
+    backend = _EndingBackend(alloc_bytes=123_456)
     app = ProfilingMiddleware(
         Starlette(routes=[Route("/s", _sleepy), Route("/stream", _stream), Route("/fail", _fail)]),
         profiler=backend,

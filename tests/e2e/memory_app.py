@@ -23,7 +23,8 @@ from itertools import repeat
 import anyio
 import anyio.lowlevel
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.trace import SpanKind
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -38,7 +39,25 @@ BLOCKS = int(os.environ.get("E2E_BLOCKS", "4000"))
 KEEP_EVERY = 4
 BLOCK = sys.getsizeof(bytes(PAYLOAD))
 
-trace.set_tracer_provider(TracerProvider())
+
+class _AllocBytes(SpanProcessor):
+    """``spanprof.alloc_bytes`` of every ended server span, by span id."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, object] = {}
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if span.kind is SpanKind.SERVER and span.context is not None:
+            attributes = span.attributes or {}
+            self.spans[format(span.context.span_id, "016x")] = attributes.get(
+                "spanprof.alloc_bytes"
+            )
+
+
+ALLOC_BYTES = _AllocBytes()
+_provider = TracerProvider()
+_provider.add_span_processor(ALLOC_BYTES)
+trace.set_tracer_provider(_provider)
 
 # Kept blocks, per request: alive until the process exits, so the last upload shows them in use.
 KEPT: dict[int, list[bytes]] = {}
@@ -122,7 +141,11 @@ async def stats(request: Request) -> Response:
     profiler = app.profiler
     read: Callable[[], dict[str, float]] | None = getattr(profiler, "stats", None)
     return JSONResponse(
-        {"mode": getattr(profiler, "mode", "pyroscope"), **(read() if read else {})}
+        {
+            "mode": getattr(profiler, "mode", "pyroscope"),
+            **(read() if read else {}),
+            "span_alloc_bytes": dict(ALLOC_BYTES.spans),
+        }
     )
 
 

@@ -489,7 +489,8 @@ class ExactBackend(WithPyroscopeSettings):
                 fallback.shutdown()
 
     def end_span(self, span_id: str, breached: bool | None) -> SpanUsage | None:
-        """A request's span ends: label its samples with the verdict; the CPU they hold.
+        """A request's span ends: label its samples with the verdict; the CPU they hold, and
+        the bytes its sampled allocations stand for (``None`` without allocation sampling).
 
         ``None`` when not sampling exactly (the pyroscope-io fallback has no hold).
         """
@@ -497,9 +498,13 @@ class ExactBackend(WithPyroscopeSettings):
         if sampler is None or hold is None:
             return None
         hold.end_span(span_id, breached)
+        alloc_bytes = None
         if memory_hold is not None:
             memory_hold.end_span(span_id, breached)
-        return SpanUsage(sampler.span_cpu_ns(span_id))
+            memory = self._memory_sampler
+            if memory is not None:
+                alloc_bytes = memory.span_alloc_bytes(span_id)
+        return SpanUsage(sampler.span_cpu_ns(span_id), alloc_bytes)
 
     def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
         """The calling thread switched labels (thread-pool job start or end, mostly)."""

@@ -33,6 +33,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>  /* PyMemberDef before 3.12 */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -148,6 +149,32 @@ static uint64_t n_lost_frees;     /* frees the free list had no room for (never 
 static uint64_t n_reentered;      /* samples skipped because the thread was inside the module */
 static uint64_t n_foreign;        /* samples skipped: no thread state, or another interpreter */
 static uint64_t n_truncated;      /* samples whose stack was cut at max_frames */
+
+/* Per-span totals: the bytes the sampled blocks of each in-flight span stand for, so a span can
+ * end with what it allocated (take_span), without waiting for the next drain. Keyed by the
+ * span_id string of the sample's label set; the key holds a reference, released outside the
+ * hooks only (take_span, drain's sweep, stop). */
+typedef struct {
+    PyObject *span;           /* NULL: empty slot */
+    Py_hash_t hash;
+    double bytes;
+    uint64_t seen;            /* the drain generation of its last sample */
+} span_slot_t;
+
+#define SPAN_BITS 13
+#define SPAN_SLOTS ((uint32_t)1 << SPAN_BITS)
+#define SPAN_MAX (SPAN_SLOTS / 2)          /* at most half full: probes stay short */
+/* A sweep (at a drain, when over a quarter full) drops spans with no sample for this many
+ * drains (a minute at the default 0.25 s): requests whose end nobody reported. */
+#define SPAN_MAX_AGE 240
+static span_slot_t *spans;
+static uint32_t nspans;
+static uint64_t span_gen;
+static PyTypeObject *labelset_type;      /* strong reference, or NULL: no per-span totals */
+static Py_ssize_t labelset_map_offset;   /* where a label set keeps its dict (a __slots__ slot) */
+static PyObject *span_key;               /* "span_id", strong reference */
+static uint64_t n_span_full;      /* samples of a span the totals had no room for */
+static uint64_t n_span_expired;   /* spans swept unended */
 
 /* Set while this thread is inside the module (sampling, or drain() building objects). */
 static _Thread_local int in_module;
@@ -286,6 +313,143 @@ table_remove(uintptr_t ptr, uint64_t *id)
     return 1;
 }
 
+/* --- per-span totals ------------------------------------------------------------------------- */
+
+static inline uint32_t
+span_home(Py_hash_t hash)
+{
+    return (uint32_t)(((uint64_t)hash * 0x9E3779B97F4A7C15ULL) >> (64 - SPAN_BITS));
+}
+
+/* Both exact str: PyUnicode_Compare then runs no Python code and cannot fail. */
+static inline int
+span_same(span_slot_t *slot, PyObject *span, Py_hash_t hash)
+{
+    return slot->span == span || (slot->hash == hash && PyUnicode_Compare(slot->span, span) == 0);
+}
+
+/* The slot holding `span`, or the empty slot where it would go. */
+static span_slot_t *
+span_find(PyObject *span, Py_hash_t hash)
+{
+    uint32_t i = span_home(hash);
+    while (spans[i].span != NULL && !span_same(&spans[i], span, hash)) {
+        i = (i + 1) & (SPAN_SLOTS - 1);
+    }
+    return &spans[i];
+}
+
+/* The span_id of a label set (borrowed), or NULL. In a hook: walks the dict (PyDict_Next calls
+ * no Python code, where a lookup could call a key's __eq__) and reads exact str only. */
+static PyObject *
+span_of(PyObject *labels)
+{
+    PyObject *map, *key, *value;
+    Py_ssize_t pos = 0;
+    if (labelset_type == NULL || Py_TYPE(labels) != labelset_type) {
+        return NULL;
+    }
+    map = *(PyObject **)((char *)labels + labelset_map_offset);
+    if (map == NULL || !PyDict_CheckExact(map)) {
+        return NULL;
+    }
+    while (PyDict_Next(map, &pos, &key, &value)) {
+        if (key == span_key ||
+            (PyUnicode_CheckExact(key) && PyUnicode_Compare(key, span_key) == 0)) {
+            return PyUnicode_CheckExact(value) ? value : NULL;
+        }
+    }
+    return NULL;
+}
+
+/* A sampled block of `size` bytes under `labels`: credit its span with what it stands for.
+ * No allocation, no Python call; the new key's reference is released outside the hooks. */
+static void
+span_credit(PyObject *labels, size_t size)
+{
+    PyObject *span = span_of(labels);
+    span_slot_t *slot;
+    Py_hash_t hash;
+    double bytes;
+    if (span == NULL) {
+        return;
+    }
+    hash = PyObject_Hash(span);  /* exact str: cached, or computed without allocating */
+    /* Sampled with probability 1 - exp(-size / mean): it stands for 1/p blocks like it. */
+    bytes = (double)size / -expm1(-(double)size / mean_bytes);
+    slot = span_find(span, hash);
+    if (slot->span == NULL) {
+        if (nspans >= SPAN_MAX) {
+            n_span_full++;
+            return;
+        }
+        slot->span = Py_NewRef(span);
+        slot->hash = hash;
+        slot->bytes = 0.0;
+        nspans++;
+    }
+    slot->bytes += bytes;
+    slot->seen = span_gen;
+}
+
+/* Empty `slot` (its reference released: outside the hooks only), shifting its probe run back. */
+static void
+span_remove(span_slot_t *slot)
+{
+    uint32_t i = (uint32_t)(slot - spans), j = i, home;
+    PyObject *span = slot->span;
+    for (;;) {
+        j = (j + 1) & (SPAN_SLOTS - 1);
+        if (spans[j].span == NULL) {
+            break;
+        }
+        home = span_home(spans[j].hash);
+        if ((j > i && (home <= i || home > j)) || (j < i && (home <= i && home > j))) {
+            spans[i] = spans[j];
+            i = j;
+        }
+    }
+    spans[i].span = NULL;
+    nspans--;
+    Py_DECREF(span);
+}
+
+/* At a drain: forget the spans nobody ended, once they take up room. */
+static void
+span_sweep(void)
+{
+    uint32_t i = 0;
+    span_gen++;
+    if (nspans < SPAN_MAX / 2) {
+        return;
+    }
+    while (i < SPAN_SLOTS) {
+        /* A removal shifts a later slot into i: look at i again. */
+        if (spans[i].span != NULL && span_gen - spans[i].seen > SPAN_MAX_AGE) {
+            span_remove(&spans[i]);
+            n_span_expired++;
+            continue;
+        }
+        i++;
+    }
+}
+
+static void
+span_clear(void)
+{
+    uint32_t i;
+    if (spans != NULL) {
+        for (i = 0; i < SPAN_SLOTS; i++) {
+            Py_CLEAR(spans[i].span);
+        }
+    }
+    PyMem_RawFree(spans);
+    spans = NULL;
+    nspans = 0;
+    Py_CLEAR(labelset_type);
+    Py_CLEAR(span_key);
+}
+
 /* --- the hooks -------------------------------------------------------------------------------- */
 
 static int
@@ -406,6 +570,9 @@ sample_block(void *ptr, size_t size)
         labels = NULL;
     }
     rec->labels = labels;
+    if (labels != NULL && spans != NULL) {
+        span_credit(labels, size);
+    }
     rec->id = next_id++;
     rec->size = size;
     rec->tracked = (uint8_t)table_insert((uintptr_t)ptr, rec->id, buf);
@@ -547,6 +714,7 @@ free_state(void)
     ntracked = 0;
     current = NULL;
     Py_CLEAR(labels_var);
+    span_clear();
 }
 
 static int
@@ -638,8 +806,40 @@ is_ours(domain_hook_t *hook)
     return now.malloc == hook_malloc && now.ctx == hook;
 }
 
+#ifndef Py_T_OBJECT_EX
+#  define Py_T_OBJECT_EX 16  /* structmember.h's T_OBJECT_EX, before 3.12 named it so */
+#endif
+
+/* Where instances of `type` keep their `_map` slot, or -1 with an exception set. */
+static Py_ssize_t
+map_slot_offset(PyTypeObject *type)
+{
+    PyObject *descr = PyObject_GetAttrString((PyObject *)type, "_map");
+    PyMemberDef *member;
+    Py_ssize_t offset;
+    if (descr == NULL) {
+        return -1;
+    }
+    if (!Py_IS_TYPE(descr, &PyMemberDescr_Type) ||
+        ((PyMemberDescrObject *)descr)->d_common.d_type != type) {
+        Py_DECREF(descr);
+        PyErr_SetString(PyExc_TypeError, "labelset_type must keep its labels in a _map slot");
+        return -1;
+    }
+    member = ((PyMemberDescrObject *)descr)->d_member;
+    offset = member->offset;
+    if (member->type != Py_T_OBJECT_EX || offset <= 0) {
+        Py_DECREF(descr);
+        PyErr_SetString(PyExc_TypeError, "labelset_type's _map slot must be an object slot");
+        return -1;
+    }
+    Py_DECREF(descr);
+    return offset;
+}
+
 PyDoc_STRVAR(start_doc,
-"start(labels_var, mean_bytes, max_samples, max_tracked, max_frames, mem_domain, seed)\n"
+"start(labels_var, mean_bytes, max_samples, max_tracked, max_frames, mem_domain, seed,\n"
+"      labelset_type=None, span_key=None)\n"
 "--\n"
 "\n"
 "Install the hooks and start sampling about one block per ``mean_bytes`` allocated.\n"
@@ -647,7 +847,9 @@ PyDoc_STRVAR(start_doc,
 "``labels_var`` is the ContextVar read at each sampled allocation; ``max_samples`` bounds the\n"
 "samples kept between two drain() calls, ``max_tracked`` the sampled blocks tracked for in-use\n"
 "memory, ``max_frames`` the frames kept per stack (leaf first). ``mem_domain`` also hooks\n"
-"PYMEM_DOMAIN_MEM (honoured on 3.12+ only). ``seed`` 0 seeds from the clock. Raises\n"
+"PYMEM_DOMAIN_MEM (honoured on 3.12+ only). ``seed`` 0 seeds from the clock. With\n"
+"``labelset_type`` (a class keeping its labels in a dict slot ``_map``), samples whose labels\n"
+"are one also add to their ``span_key`` label's total, read by take_span(). Raises\n"
 "RuntimeError when sampling cannot run here or already runs.");
 
 static PyObject *
@@ -659,8 +861,11 @@ alloc_start(PyObject *Py_UNUSED(module), PyObject *args)
     int mem_domain;
     const char *reason = unsupported_reason();
 
-    if (!PyArg_ParseTuple(args, "OdKKKpK:start", &var, &mean, &samples, &tracked, &frames,
-                          &mem_domain, &seed)) {
+    PyObject *set_type = Py_None, *key = Py_None;
+    Py_ssize_t map_offset = 0;
+
+    if (!PyArg_ParseTuple(args, "OdKKKpK|OO:start", &var, &mean, &samples, &tracked, &frames,
+                          &mem_domain, &seed, &set_type, &key)) {
         return NULL;
     }
     if (reason != NULL) {
@@ -680,6 +885,17 @@ alloc_start(PyObject *Py_UNUSED(module), PyObject *args)
     if (!PyContextVar_CheckExact(var)) {
         PyErr_SetString(PyExc_TypeError, "labels_var must be a contextvars.ContextVar");
         return NULL;
+    }
+    if (set_type != Py_None) {
+        if (!PyType_Check(set_type) || !PyUnicode_CheckExact(key)) {
+            PyErr_SetString(PyExc_TypeError,
+                            "labelset_type must be a type and span_key a str (or both None)");
+            return NULL;
+        }
+        map_offset = map_slot_offset((PyTypeObject *)set_type);
+        if (map_offset < 0) {
+            return NULL;
+        }
     }
     if (!(mean >= 1.0 && mean <= 1e15)) {
         PyErr_SetString(PyExc_ValueError, "mean_bytes must be between 1 and 1e15");
@@ -706,6 +922,17 @@ alloc_start(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     labels_var = Py_NewRef(var);
+    if (set_type != Py_None) {
+        spans = PyMem_RawCalloc(SPAN_SLOTS, sizeof(span_slot_t));
+        if (spans == NULL) {
+            free_state();
+            return PyErr_NoMemory();
+        }
+        labelset_type = (PyTypeObject *)Py_NewRef(set_type);
+        labelset_map_offset = map_offset;
+        span_key = Py_NewRef(key);
+        PyUnicode_InternInPlace(&span_key);
+    }
     mean_bytes = mean;
     rng_state = seed != 0 ? seed
                           : ((uint64_t)time(NULL) << 32) ^ (uint64_t)clock() ^
@@ -717,6 +944,8 @@ alloc_start(PyObject *Py_UNUSED(module), PyObject *args)
     main_interp = PyInterpreterState_Main();
     n_samples = n_dropped = n_untracked = n_frees = n_lost_frees = 0;
     n_reentered = n_foreign = n_truncated = 0;
+    n_span_full = n_span_expired = 0;
+    span_gen = 0;
     install(&hook_obj);
 #if PY_VERSION_HEX >= 0x030C0000
     if (mem_domain) {
@@ -845,6 +1074,9 @@ alloc_drain(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
     retired = current;
     current = retired == &buffers[0] ? &buffers[1] : &buffers[0];
     filter_rebuild();
+    if (spans != NULL) {
+        span_sweep();
+    }
     was_in_module = in_module;
     in_module = 1;
     samples = PyList_New(0);
@@ -893,6 +1125,39 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(take_span_doc,
+"take_span(span_id) -> float\n"
+"--\n"
+"\n"
+"The bytes the samples labelled ``span_id`` stand for since start() (drained or not), and\n"
+"forget them: 0.0 when none was sampled or per-span totals are off.");
+
+static PyObject *
+alloc_take_span(PyObject *Py_UNUSED(module), PyObject *span)
+{
+    span_slot_t *slot;
+    Py_hash_t hash;
+    double bytes;
+    if (!PyUnicode_CheckExact(span)) {
+        PyErr_SetString(PyExc_TypeError, "span_id must be a str");
+        return NULL;
+    }
+    if (spans == NULL || nspans == 0) {
+        return PyFloat_FromDouble(0.0);
+    }
+    hash = PyObject_Hash(span);
+    if (hash == -1) {
+        return NULL;
+    }
+    slot = span_find(span, hash);
+    if (slot->span == NULL) {
+        return PyFloat_FromDouble(0.0);
+    }
+    bytes = slot->bytes;
+    span_remove(slot);
+    return PyFloat_FromDouble(bytes);
+}
+
 PyDoc_STRVAR(ignore_thread_doc,
 "ignore_thread(ignore) -> bool\n"
 "--\n"
@@ -917,18 +1182,20 @@ PyDoc_STRVAR(stats_doc,
 "--\n"
 "\n"
 "Counters since start(): samples, dropped, untracked, tracked (now), frees, lost_frees,\n"
-"reentered, foreign, truncated; active and stuck as 0/1.");
+"reentered, foreign, truncated, span_totals (now), span_full, span_expired; active and stuck\n"
+"as 0/1.");
 
 static PyObject *
 alloc_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
 {
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsisi}", "samples", (unsigned long long)n_samples, "dropped",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsisi}", "samples", (unsigned long long)n_samples, "dropped",
         (unsigned long long)n_dropped, "untracked", (unsigned long long)n_untracked, "tracked",
         (unsigned long long)ntracked, "frees", (unsigned long long)n_frees, "lost_frees",
         (unsigned long long)n_lost_frees, "reentered", (unsigned long long)n_reentered,
         "foreign", (unsigned long long)n_foreign, "truncated", (unsigned long long)n_truncated,
-        "active", active, "stuck", stuck);
+        "span_totals", (unsigned long long)nspans, "span_full", (unsigned long long)n_span_full,
+        "span_expired", (unsigned long long)n_span_expired, "active", active, "stuck", stuck);
 }
 
 PyDoc_STRVAR(allocator_doc,
@@ -983,6 +1250,7 @@ static PyMethodDef alloc_methods[] = {
     {"stop", alloc_stop, METH_NOARGS, stop_doc},
     {"drain", alloc_drain, METH_NOARGS, drain_doc},
     {"stats", alloc_stats, METH_NOARGS, stats_doc},
+    {"take_span", alloc_take_span, METH_O, take_span_doc},
     {"ignore_thread", alloc_ignore_thread, METH_O, ignore_thread_doc},
     {"allocator", alloc_allocator, METH_O, allocator_doc},
     {"addr2line", alloc_addr2line, METH_VARARGS, addr2line_doc},

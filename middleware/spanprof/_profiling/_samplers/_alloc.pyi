@@ -18,9 +18,14 @@ def start(
     max_frames: int,
     mem_domain: bool,
     seed: int,
+    labelset_type: type | None = None,
+    span_key: str | None = None,
     /,
 ) -> None:
     """Install the hooks and sample about one block per ``mean_bytes`` allocated."""
+
+def take_span(span_id: str, /) -> float:
+    """The bytes the samples labelled ``span_id`` stand for since start(); forgets them."""
 
 def stop() -> bool:
     """Put the previous allocators back; False when another hook sits over these."""

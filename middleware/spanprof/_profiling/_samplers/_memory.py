@@ -158,6 +158,8 @@ class MemorySampler:
                     self.max_frames,
                     self.mem_domain,
                     self.seed,
+                    LabelSet,
+                    "span_id",
                 )
             except RuntimeError as exc:
                 raise MemorySamplerUnavailable(str(exc)) from exc
@@ -207,6 +209,18 @@ class MemorySampler:
             _ignore_thread(True)
         while not self._stop.wait(self.drain_interval):
             self.drain()
+
+    # --- per span ------------------------------------------------------------------------------
+
+    def span_alloc_bytes(self, span_id: str) -> int | None:
+        """The bytes ``span_id``'s sampled allocations stand for, forgotten from then on.
+
+        Counted by the hook at each sample, so what the span allocated since the last drain is
+        in; ``None`` when this sampler does not run in this process.
+        """
+        if _alloc is None or self._pid != os.getpid():
+            return None
+        return round(_alloc.take_span(span_id))
 
     # --- drains and windows ---------------------------------------------------------------------
 
