@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import importlib
 import importlib.util
 import math
@@ -17,7 +18,7 @@ from itertools import repeat
 
 import pytest
 
-from spanprof._labels._labelset import LABELS, LabelSet
+from spanprof._labels._labelset import EMPTY, LABELS, LabelSet
 from spanprof._profiling._samplers._memory import (
     MemorySampler,
     MemorySamplerUnavailable,
@@ -485,3 +486,27 @@ def test_span_totals_are_bounded_and_unended_spans_are_swept() -> None:
     assert swept["span_expired"] == 4096, swept
     assert late is not None
     assert late > 0
+
+
+def test_a_sample_taken_inside_contextvar_reset_leaves_its_cache_alone() -> None:
+    """ContextVar.reset() to "no value" allocates after clearing the variable's lookup cache and
+    before it releases the old value: a lookup by the hook there must not cache that value, or
+    the next LABELS.get() returns it freed (seen as a crash in the collector)."""
+    other: contextvars.ContextVar[int] = contextvars.ContextVar("other")
+
+    def body(sampler: MemorySampler) -> list[str]:
+        other.set(1)  # a second variable: the reset's new HAMT is a node to allocate
+        wrong: list[str] = []
+        for i in range(300):
+            token = LABELS.set(LabelSet({"span_id": f"{i:016x}"}))
+            LABELS.reset(token)  # every allocation sampled: some of them inside the reset
+            sampler.take_window()  # the samples' references to the label set go with it
+            current = LABELS.get()
+            if current is not EMPTY:
+                wrong.append(repr(current)[:80])
+        return wrong
+
+    # sample_bytes=1: every block is sampled.
+    with sampling(sample_bytes=1, max_samples=1_000_000) as sampler:
+        wrong = contextvars.Context().run(body, sampler)
+    assert wrong == []

@@ -54,12 +54,36 @@
 #    define ALLOC_DEFINED_BUILD_CORE 1
 #  endif
 #  include <internal/pycore_frame.h>
+#  include <internal/pycore_context.h>
+#  define ALLOC_CONTEXT_KNOWN 1
 #  ifdef ALLOC_DEFINED_BUILD_CORE
 #    undef Py_BUILD_CORE
 #  endif
 #  define ALLOC_FRAMES_KNOWN 1
 #else
 #  define ALLOC_FRAMES_KNOWN 0
+#endif
+
+/* CPython's ContextVar object (Include/internal/pycore_context.h), the same from 3.10 to 3.15
+ * with the GIL: the hook saves and restores its lookup cache (see read_labels). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *var_name;
+    PyObject *var_default;
+    PyObject *var_cached;
+    uint64_t var_cached_tsid;
+    uint64_t var_cached_tsver;
+    Py_hash_t var_hash;
+} contextvar_layout_t;
+
+#ifdef ALLOC_CONTEXT_KNOWN
+#  include <stddef.h>
+_Static_assert(offsetof(contextvar_layout_t, var_cached) == offsetof(PyContextVar, var_cached) &&
+                   offsetof(contextvar_layout_t, var_cached_tsid) ==
+                       offsetof(PyContextVar, var_cached_tsid) &&
+                   offsetof(contextvar_layout_t, var_cached_tsver) ==
+                       offsetof(PyContextVar, var_cached_tsver),
+               "CPython's ContextVar layout moved: update contextvar_layout_t");
 #endif
 
 #if PY_VERSION_HEX >= 0x030D0000
@@ -530,6 +554,35 @@ capture_stack(PyThreadState *tstate, raw_frame_t *out, uint8_t *truncated)
     return n;
 }
 
+/* The allocating context's labels (a new reference), or NULL.
+ *
+ * PyContextVar_Get caches what it finds in the variable: a borrowed reference, trusted while
+ * the thread's context version is unchanged. ContextVar.reset() to "no value" allocates (a new
+ * HAMT) after clearing that cache and before it releases the old value, and bumps no version:
+ * a lookup made by this hook in between would cache the value being released, and the next
+ * LABELS.get() would return it freed. So the cache is left exactly as the hook found it. */
+static PyObject *
+read_labels(void)
+{
+#ifdef Py_GIL_DISABLED
+    PyObject *labels = NULL;  /* never called: start() refuses free-threaded builds */
+    return PyContextVar_Get(labels_var, NULL, &labels) < 0 ? NULL : labels;
+#else
+    contextvar_layout_t *var = (contextvar_layout_t *)labels_var;
+    PyObject *cached = var->var_cached, *labels = NULL;
+    uint64_t tsid = var->var_cached_tsid, tsver = var->var_cached_tsver;
+    /* Checked at start(): the variable is a ContextVar, so this cannot fail; it returns the
+     * allocating context's value or its default. */
+    if (PyContextVar_Get(labels_var, NULL, &labels) < 0) {
+        labels = NULL;
+    }
+    var->var_cached = cached;
+    var->var_cached_tsid = tsid;
+    var->var_cached_tsver = tsver;
+    return labels;
+#endif
+}
+
 /* The slow path: `ptr` (`size` bytes) took the countdown to zero or below. */
 static __attribute__((noinline)) void
 sample_block(void *ptr, size_t size)
@@ -564,11 +617,7 @@ sample_block(void *ptr, size_t size)
     if (rec->truncated) {
         n_truncated++;
     }
-    /* Checked at start(): the variable is a ContextVar, so this cannot fail; it returns the
-     * allocating context's value (a new reference) or its default. */
-    if (PyContextVar_Get(labels_var, NULL, &labels) < 0) {
-        labels = NULL;
-    }
+    labels = read_labels();
     rec->labels = labels;
     if (labels != NULL && spans != NULL) {
         span_credit(labels, size);
