@@ -194,18 +194,19 @@ def _check(
         if len(spans) == 1:
             by_span[spans[0]] = by_span.get(spans[0], 0) + sample.values[1]
     span_alloc = stats["span_alloc_bytes"]
+    matched = 0
     for i in range(CONCURRENCY):
         span_id = expected[i]["span_id"]
         alloc_bytes = span_alloc[span_id]
         assert isinstance(alloc_bytes, int), (i, span_alloc)
         assert alloc_bytes == pytest.approx(truth[i], rel=_bound(truth[i])), (i, alloc_bytes)
-        # What the response's own sending allocates comes after the span's end: one sample
-        # more at most, in the profiles only.
-        assert by_span[span_id] - SAMPLE_BYTES * 2 <= alloc_bytes <= by_span[span_id] + 16, (
-            i,
-            alloc_bytes,
-            by_span[span_id],
-        )
+        # What the request allocates after its span ends (sending the last body chunk, ending
+        # the span) is in the profiles only: now and then a sample of a small block there, each
+        # weighing about SAMPLE_BYTES. Otherwise the two agree to the profiles' rounding.
+        after = by_span[span_id] - alloc_bytes
+        assert -16 <= after <= 4 * (SAMPLE_BYTES + 1024), (i, alloc_bytes, by_span[span_id])
+        matched += abs(after) <= 16
+    assert matched >= CONCURRENCY // 2, (matched, span_alloc, by_span)
     pooled = sum(truth.values())
     assert sum(allocated.values()) == pytest.approx(pooled, rel=_bound(pooled))
 
