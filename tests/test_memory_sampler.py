@@ -391,8 +391,10 @@ def test_bad_sample_size_is_a_value_error() -> None:
 
 
 def test_drain_thread_keeps_the_buffer_from_filling() -> None:
-    """With its thread draining every 20 ms, a small buffer drops nothing over a long burst."""
-    with sampling(sample_bytes=16 * 1024, max_samples=4096, drain_interval=0.02) as sampler:
+    """With its thread draining every 20 ms, a buffer of a quarter second's samples drops
+    nothing over a burst of four times that (on a busy machine the drain thread can wait for a
+    core for tens of milliseconds)."""
+    with sampling(sample_bytes=16 * 1024, max_samples=16384, drain_interval=0.02) as sampler:
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             churn(1000)
