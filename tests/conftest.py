@@ -107,11 +107,11 @@ def labels_of(value: Any) -> dict[str, str]:
     return dict(value)
 
 
-# The allocation sampler walks the interpreter's frames itself; it knows 3.10-3.13's layout.
-MEMORY_SAMPLED = sys.version_info < (3, 14)
+# The allocation sampler walks the interpreter's frames itself; it knows 3.10-3.15's layouts.
+MEMORY_SAMPLED = sys.version_info < (3, 16)
 MEMORY_VERSIONS = pytest.mark.skipif(
     not MEMORY_SAMPLED,
-    reason="allocation sampling supports CPython 3.10-3.13 (it refuses later ones, tested)",
+    reason="allocation sampling supports CPython 3.10-3.15 (it refuses later ones, tested)",
 )
 
 

@@ -48,12 +48,17 @@
 #if PY_VERSION_HEX < 0x030B0000
 #  include <frameobject.h>
 #  define ALLOC_FRAMES_KNOWN 1
-#elif PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
+#elif PY_VERSION_HEX < 0x03100000 && !defined(Py_GIL_DISABLED)
 #  ifndef Py_BUILD_CORE
 #    define Py_BUILD_CORE 1
 #    define ALLOC_DEFINED_BUILD_CORE 1
 #  endif
-#  include <internal/pycore_frame.h>
+#  if PY_VERSION_HEX >= 0x030E0000
+/* 3.14 moved the frame struct and its helpers here; f_executable became a stack reference. */
+#    include <internal/pycore_interpframe.h>
+#  else
+#    include <internal/pycore_frame.h>
+#  endif
 #  include <internal/pycore_context.h>
 #  define ALLOC_CONTEXT_KNOWN 1
 #  ifdef ALLOC_DEFINED_BUILD_CORE
@@ -516,13 +521,29 @@ capture_stack(PyThreadState *tstate, raw_frame_t *out, uint8_t *truncated)
     while (frame != NULL) {
         PyCodeObject *code;
         int lasti;
-#  if PY_VERSION_HEX >= 0x030C0000
+#  if PY_VERSION_HEX >= 0x030C0000 && PY_VERSION_HEX < 0x030E0000
         if (frame->owner == FRAME_OWNED_BY_CSTACK) {  /* the C stack's entry shim */
             frame = frame->previous;
             continue;
         }
 #  endif
-#  if PY_VERSION_HEX >= 0x030D0000
+#  if PY_VERSION_HEX >= 0x030E0000
+        {
+            /* A frame owned by the interpreter (its C-stack entry) has no code to show. */
+            PyObject *executable;
+            if (frame->owner >= FRAME_OWNED_BY_INTERPRETER ||
+                PyStackRef_IsNull(frame->f_executable)) {
+                frame = frame->previous;
+                continue;
+            }
+            executable = PyStackRef_AsPyObjectBorrow(frame->f_executable);
+            if (!PyCode_Check(executable)) {
+                frame = frame->previous;
+                continue;
+            }
+            code = (PyCodeObject *)executable;
+        }
+#  elif PY_VERSION_HEX >= 0x030D0000
         if (frame->f_executable == NULL || !PyCode_Check(frame->f_executable)) {
             frame = frame->previous;
             continue;
@@ -809,7 +830,7 @@ unsupported_reason(void)
            "without the GIL, and the sampler's tables are guarded by the GIL";
 #else
     if (!ALLOC_FRAMES_KNOWN) {
-        return "this CPython version's frame layout is not known to spanprof (3.10 to 3.13 are)";
+        return "this CPython version's frame layout is not known to spanprof (3.10 to 3.15 are)";
     }
     return NULL;
 #endif
