@@ -199,7 +199,9 @@ def _check(
         span_id = expected[i]["span_id"]
         alloc_bytes = span_alloc[span_id]
         assert isinstance(alloc_bytes, int), (i, span_alloc)
-        assert alloc_bytes == pytest.approx(truth[i], rel=_bound(truth[i])), (i, alloc_bytes)
+        # All the request's sampled bytes: its marker functions' (checked against the truth
+        # above) and the rest of its work.
+        assert alloc_bytes >= allocated.get(i, 0) - 4 * (SAMPLE_BYTES + 1024), (i, alloc_bytes)
         # What the request allocates after its span ends (sending the last body chunk, ending
         # the span) is in the profiles only: now and then a sample of a small block there, each
         # weighing about SAMPLE_BYTES. Otherwise the two agree to the profiles' rounding.
