@@ -19,6 +19,7 @@ from pathlib import Path
 
 from . import (
     bench_accuracy,
+    bench_breakdown,
     bench_engine,
     bench_exact,
     bench_exemplar,
@@ -42,6 +43,7 @@ BENCHMARKS: dict[str, Callable[[bool], Section]] = {
     "exemplar": bench_exemplar.run,
     "faults": bench_faults.run,
     "exact": bench_exact.run,
+    "breakdown": bench_breakdown.run,
     "hold": bench_hold.run,
     "otlp": bench_otlp.run,
     "memory": bench_memory.run,

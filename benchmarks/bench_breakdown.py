@@ -1,0 +1,219 @@
+"""Where the exact profiler's per-request cost goes: its parts started one at a time.
+
+The exact section's in-process A/B compares no profiler with the whole exact profiler. Here the
+same app and request (``bench_request``'s one-route Starlette app, ``profiler=None``, driven
+in-process on an asyncio loop) run with each part alone, interleaved round by round with the
+start order rotated: the label engine with a backend that reads the loop thread's labels from its
+context (what ``ExactBackend`` says while sampling), the SIGPROF sampler alone at 1 Hz (its hooks
+without its ticks) and at 100 Hz, the allocation sampler alone, and the whole exact profiler with
+and without memory. Times are the driving thread's CPU (``time.thread_time_ns``, signal handler
+included); differences and ratios are per round against the no-profiler round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from spanprof._local._receiver import PushReceiver
+
+from ._child import ROOT
+from ._report import Section, Spread, markdown_table, paired_ratios
+
+__all__ = ["main", "run"]
+
+VARIANTS = (
+    ("off", "no profiler"),
+    ("engine", "label engine, loop thread read from its context"),
+    ("sampler_1hz", "SIGPROF sampler alone, 1 Hz"),
+    ("sampler", "SIGPROF sampler alone, 100 Hz"),
+    ("memory", "allocation sampler alone (512 KiB)"),
+    ("exact_nomem", "exact profiler, memory=False"),
+    ("exact", "exact profiler (default: memory on)"),
+)
+
+
+class _Part(Protocol):
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+
+
+def _parts(receiver: str) -> dict[str, _Part | None]:
+    from spanprof._labels._engine import install_label_engine, uninstall_label_engine
+    from spanprof._labels._labelset import LabelSet
+    from spanprof._profiling._exact import ExactBackend
+    from spanprof._profiling._runtime import ProfilerRuntime
+    from spanprof._profiling._samplers._memory import MemorySampler
+    from spanprof._profiling._samplers._signal import Sampler
+
+    class ContextReader:
+        needs_step_hooks = False
+
+        def start(self) -> None:
+            pass
+
+        def shutdown(self) -> None:
+            pass
+
+        def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
+            pass
+
+    class Engine:
+        def start(self) -> None:
+            install_label_engine(ContextReader())
+
+        def stop(self) -> None:
+            uninstall_label_engine()
+
+    class SamplerAlone:
+        def __init__(self, rate: int) -> None:
+            self.rate = rate
+            self.sampler: Sampler | None = None
+
+        def start(self) -> None:
+            self.sampler = Sampler(sample_rate=self.rate)
+            self.sampler.start()
+
+        def stop(self) -> None:
+            if self.sampler is not None:
+                self.sampler.stop()
+
+    class Runtime:
+        def __init__(self, **options: Any) -> None:
+            backend = ExactBackend(
+                server_address=receiver, application_name="bench-breakdown", upload_interval=1,
+                **options,
+            )  # fmt: skip
+            self.runtime = ProfilerRuntime(backend)
+
+        def start(self) -> None:
+            self.runtime.start()
+
+        def stop(self) -> None:
+            self.runtime.stop()
+
+    return {
+        "off": None,
+        "engine": Engine(),
+        "sampler_1hz": SamplerAlone(1),
+        "sampler": SamplerAlone(100),
+        "memory": MemorySampler(),
+        "exact_nomem": Runtime(memory=False),
+        "exact": Runtime(),
+    }
+
+
+def _child(argv: list[str]) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    import spanprof
+
+    from .bench_request import SCOPE, _discard, _receive, _starlette
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child", action="store_true", required=True)
+    parser.add_argument("--receiver", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--size", type=int, required=True)
+    args = parser.parse_args(argv)
+    app = spanprof.ProfilingMiddleware(
+        _starlette(), profiler=None, tracer_provider=TracerProvider(), environ={}
+    )
+    parts = _parts(args.receiver)
+    names = list(parts)
+
+    async def drive(count: int) -> int:
+        started = time.thread_time_ns()
+        for _ in range(count):
+            await app(dict(SCOPE), _receive, _discard)
+        return time.thread_time_ns() - started
+
+    loop = asyncio.new_event_loop()
+    results: dict[str, list[float]] = {name: [] for name in names}
+    try:
+        loop.run_until_complete(drive(args.size))  # warm-up
+        for index in range(args.rounds):
+            shift = index % len(names)
+            for name in names[shift:] + names[:shift]:
+                part = parts[name]
+                gc.collect()
+                if part is not None:
+                    part.start()
+                try:
+                    ns = loop.run_until_complete(drive(args.size))
+                finally:
+                    if part is not None:
+                        part.stop()
+                results[name].append(ns / args.size / 1000)
+    finally:
+        loop.close()
+    args.out.write_text(json.dumps(results))
+
+
+def _measure(rounds: int, size: int) -> dict[str, list[float]]:
+    with PushReceiver() as receiver, tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        argv = [
+            sys.executable, "-m", "benchmarks.bench_breakdown", "--child",
+            "--receiver", receiver.url, "--out", str(out),
+            "--rounds", str(rounds), "--size", str(size),
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'middleware'}"}
+        proc = subprocess.run(
+            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+        if receiver.errors:
+            raise RuntimeError(f"the receiver rejected uploads: {receiver.errors[:3]}")
+        results: dict[str, list[float]] = json.loads(out.read_text())
+    return results
+
+
+def run(quick: bool) -> Section:
+    """Each part of the exact profiler alone, against no profiler, in one process."""
+    rounds, size = (15, 300) if quick else (61, 600)
+    results = _measure(rounds, size)
+    base = results["off"]
+    rows = []
+    for name, description in VARIANTS:
+        values = results[name]
+        extra = Spread.of([v - b for v, b in zip(values, base, strict=True)])
+        ratio = paired_ratios(base, values)
+        rows.append(
+            [
+                description,
+                Spread.of(values).format(2),
+                "—" if name == "off" else ratio.format(3),
+                "—" if name == "off" else extra.format(2),
+            ]
+        )
+    section = Section("breakdown", "The exact profiler's per-request cost, part by part")
+    section.body = [
+        (__doc__ or "").split("\n\n", 1)[1].replace("\n", " ").strip()
+        + f" {rounds} rounds of {size} requests per variant.",
+        markdown_table(
+            ["variant", "µs/request (CPU)", "throughput x no profiler", "µs over no profiler"],
+            rows,
+        ),
+    ]
+    return section
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``--child`` mode only (the section runs from ``benchmarks.run``)."""
+    _child(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    main()
