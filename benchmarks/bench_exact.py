@@ -358,6 +358,10 @@ def run(quick: bool) -> Section:
         + [float(o.stats.get("max_export_step_us", 0.0)) for o in outcomes if o.profiler == "exact"]
     )
     e2e_p99s = [float(o.stats["stall_p99_us"]) for o in outcomes if o.profiler == "exact"]
+    # There the pool threads burn CPU in pure Python: a handler that loses the GIL to one of
+    # them waits out its switch interval (5 ms), so its wall time is mostly that wait, and its
+    # own CPU says what it cost the loop.
+    e2e_cpu_p99s = [float(o.stats["stall_cpu_p99_us"]) for o in outcomes if o.profiler == "exact"]
     section.body += [
         f"**Attribution.** uvicorn serving {CONCURRENCY} concurrent `GET /work/{{i}}` of "
         "`tests/e2e/exact_app.py`: request *i* burns `1 + i % 2` units, each 25 ms of handler "
@@ -435,6 +439,11 @@ def run(quick: bool) -> Section:
                 ["handler stall p99 per round, wall µs", Spread.of(p99s).format(0)],
                 ["handler stall p99 per round, CPU µs", Spread.of(cpu_p99s).format(0)],
                 ["handler stall p99 in the uvicorn runs, wall µs", Spread.of(e2e_p99s).format(0)],
+                [
+                    "handler stall p99 in the uvicorn runs, CPU µs (the rest of the wall time "
+                    "is waiting for the GIL a pool thread holds)",
+                    Spread.of(e2e_cpu_p99s).format(0),
+                ],
                 ["longest export step, CPU µs (all runs)", f"{max(exports):.0f}"],
             ],
         ),
@@ -465,7 +474,7 @@ def run(quick: bool) -> Section:
             f"{float(http_stats['stall_p99_us']):.0f} µs wall, "
             f"{float(http_stats['stall_cpu_p99_us']):.0f} µs CPU; in-process rounds: median "
             f"p99 {statistics.median(p99s):.0f} µs; 16-request 0.5 ms-step runs: "
-            f"{max(e2e_p99s):.0f} µs",
+            f"{max(e2e_p99s):.0f} µs wall, {max(e2e_cpu_p99s):.0f} µs CPU",
         ),
         Verdict(
             f"no export step holds the GIL over {EXPORT_BUDGET_US / 1000:.0f} ms",
