@@ -23,7 +23,15 @@ from typing import Any
 from spanprof import PyroscopeBackend
 from spanprof._local._receiver import PushReceiver
 
-__all__ = ["ROOT", "SinkCheck", "child_main", "pyroscope_backend", "run_child"]
+__all__ = [
+    "ROOT",
+    "SinkCheck",
+    "child_main",
+    "pyroscope_backend",
+    "receiver_child_arguments",
+    "run_child",
+    "run_receiver_child",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,3 +118,41 @@ def child_main(
         args.out.write_text(json.dumps(result))
 
     return main
+
+
+def receiver_child_arguments(argv: list[str]) -> argparse.Namespace:
+    """The flags ``run_receiver_child`` passes: ``--receiver URL --out PATH --rounds --size``."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child", action="store_true", required=True)
+    parser.add_argument("--receiver", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--size", type=int, required=True)
+    return parser.parse_args(argv)
+
+
+def run_receiver_child(
+    module: str, rounds: int, size: int, *, timeout: float = 900.0
+) -> tuple[dict[str, Any], PushReceiver]:
+    """Run ``python -m module --child ...`` whose exact profiler pushes to a receiver here.
+
+    Returns the JSON the child wrote to ``--out`` and the (closed) receiver, whose uploads
+    prove the profiler ran; a failed child or a rejected upload raises ``RuntimeError``.
+    """
+    with PushReceiver() as receiver, tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        argv = [
+            sys.executable, "-m", module, "--child",
+            "--receiver", receiver.url, "--out", str(out),
+            "--rounds", str(rounds), "--size", str(size),
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'middleware'}"}
+        proc = subprocess.run(
+            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+        data: dict[str, Any] = json.loads(out.read_text())
+        if receiver.errors:
+            raise RuntimeError(f"the receiver rejected uploads: {receiver.errors[:3]}")
+    return data, receiver

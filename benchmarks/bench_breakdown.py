@@ -12,21 +12,14 @@ included); differences and ratios are per round against the no-profiler round.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any, Protocol
 
-from spanprof._local._receiver import PushReceiver
-
-from ._child import ROOT
+from ._child import receiver_child_arguments, run_receiver_child
 from ._report import Section, Spread, markdown_table, paired_ratios
 
 __all__ = ["main", "run"]
@@ -119,13 +112,7 @@ def _child(argv: list[str]) -> None:
 
     from .bench_request import SCOPE, _discard, _receive, _starlette
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--child", action="store_true", required=True)
-    parser.add_argument("--receiver", required=True)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--rounds", type=int, required=True)
-    parser.add_argument("--size", type=int, required=True)
-    args = parser.parse_args(argv)
+    args = receiver_child_arguments(argv)
     app = spanprof.ProfilingMiddleware(
         _starlette(), profiler=None, tracer_provider=TracerProvider(), environ={}
     )
@@ -161,22 +148,7 @@ def _child(argv: list[str]) -> None:
 
 
 def _measure(rounds: int, size: int) -> dict[str, list[float]]:
-    with PushReceiver() as receiver, tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        argv = [
-            sys.executable, "-m", "benchmarks.bench_breakdown", "--child",
-            "--receiver", receiver.url, "--out", str(out),
-            "--rounds", str(rounds), "--size", str(size),
-        ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'middleware'}"}
-        proc = subprocess.run(
-            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-        if receiver.errors:
-            raise RuntimeError(f"the receiver rejected uploads: {receiver.errors[:3]}")
-        results: dict[str, list[float]] = json.loads(out.read_text())
+    results, _receiver = run_receiver_child("benchmarks.bench_breakdown", rounds, size)
     return results
 
 

@@ -13,16 +13,13 @@ percentiles and the longest single export step.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
 import json
-import os
 import selectors
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +33,7 @@ from tests.e2e.server import free_port, serve, uvicorn_argv
 
 from spanprof._local._receiver import PushReceiver
 
-from ._child import ROOT
+from ._child import receiver_child_arguments, run_receiver_child
 from ._report import Section, Spread, Verdict, markdown_table, paired_ratios
 
 __all__ = ["CONCURRENCY", "main", "run"]
@@ -148,13 +145,7 @@ def _child(argv: list[str]) -> None:
     # The per-request benchmark's app and request, so both measure the same thing.
     from .bench_request import SCOPE, _discard, _receive, _starlette
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--child", action="store_true", required=True)
-    parser.add_argument("--receiver", required=True)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--rounds", type=int, required=True)
-    parser.add_argument("--size", type=int, required=True)
-    args = parser.parse_args(argv)
+    args = receiver_child_arguments(argv)
 
     app = spanprof.ProfilingMiddleware(
         _starlette(),
@@ -196,24 +187,8 @@ def _child(argv: list[str]) -> None:
 
 
 def _cost(rounds: int, size: int) -> tuple[dict[str, list[float]], list[dict[str, float]], int]:
-    with PushReceiver() as receiver, tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        argv = [
-            sys.executable, "-m", "benchmarks.bench_exact", "--child",
-            "--receiver", receiver.url, "--out", str(out),
-            "--rounds", str(rounds), "--size", str(size),
-        ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'middleware'}"}
-        proc = subprocess.run(
-            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-        data = json.loads(out.read_text())
-        if receiver.errors:
-            raise RuntimeError(f"the receiver rejected uploads: {receiver.errors[:3]}")
-        pushes = receiver.pushes
-    return data["results"], data["stats"], pushes
+    data, receiver = run_receiver_child("benchmarks.bench_exact", rounds, size)
+    return data["results"], data["stats"], receiver.pushes
 
 
 # --- throughput over HTTP ------------------------------------------------------------------------

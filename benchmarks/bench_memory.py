@@ -14,23 +14,16 @@ capture; the drain that turns samples into Python objects is timed separately).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import MutableMapping
 from itertools import repeat
-from pathlib import Path
 from typing import Any
 
-from spanprof._local._receiver import PushReceiver
-
-from ._child import ROOT
+from ._child import receiver_child_arguments, run_receiver_child
 from ._report import Section, Spread, Verdict, markdown_table, paired_ratios
 
 __all__ = ["main", "run"]
@@ -64,13 +57,7 @@ def _child(argv: list[str]) -> None:
     from spanprof._profiling._exact import ExactBackend
     from spanprof._profiling._runtime import ProfilerRuntime
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--child", action="store_true", required=True)
-    parser.add_argument("--receiver", required=True)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--rounds", type=int, required=True)
-    parser.add_argument("--size", type=int, required=True)
-    args = parser.parse_args(argv)
+    args = receiver_child_arguments(argv)
 
     async def echo(request: Request) -> Response:
         data = json.loads(await request.body())
@@ -149,23 +136,8 @@ def _child(argv: list[str]) -> None:
 
 
 def _throughput(rounds: int, size: int) -> tuple[dict[str, Any], int]:
-    with PushReceiver() as receiver, tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        argv = [
-            sys.executable, "-m", "benchmarks.bench_memory", "--child",
-            "--receiver", receiver.url, "--out", str(out),
-            "--rounds", str(rounds), "--size", str(size),
-        ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'middleware'}"}
-        proc = subprocess.run(
-            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-        data: dict[str, Any] = json.loads(out.read_text())
-        if receiver.errors:
-            raise RuntimeError(f"the receiver rejected uploads: {receiver.errors[:3]}")
-        memory_pushes = sum(1 for s in receiver.series() if s.label("__name__") == "memory")
+    data, receiver = run_receiver_child("benchmarks.bench_memory", rounds, size, timeout=1800)
+    memory_pushes = sum(1 for s in receiver.series() if s.label("__name__") == "memory")
     return data, memory_pushes
 
 
