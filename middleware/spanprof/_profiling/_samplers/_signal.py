@@ -576,7 +576,10 @@ class Sampler:
                 f"it needs a timer that signals the main thread (timer_create): {exc}"
             ) from exc
         self._restore_pending = False
-        self._quiet_wakeup = True
+        # In the main thread now; else at the first tick, which runs there.
+        self._quiet_wakeup = not in_main
+        if in_main:
+            _quiet_wakeup_fd()
         try:
             if in_main:
                 signal.signal(self.signum, self._on_signal)
