@@ -106,8 +106,13 @@ class ExactBackend(WithPyroscopeSettings):
 
     Requirements: Linux, the GIL, and ``start()`` in the main thread (the middleware starts it at
     lifespan startup, so the event loop must run in the main thread: uvicorn, gunicorn workers,
-    hypercorn). Otherwise it logs why at start-up and falls back to pyroscope-io with the label
-    engine. It uses ``SIGPROF`` (``SIGALRM`` with ``clock="wall"``) and refuses to start, raising
+    hypercorn), or in any thread after ``prepare()`` ran in the main thread (the WSGI
+    middleware calls it when built, for threaded servers whose first request runs on a pool
+    thread). Otherwise it logs why at start-up and falls back to pyroscope-io with the label
+    engine. Chosen by ``auto`` and started off the main thread, it also runs pyroscope-io when
+    that is installed: the handler sees pool threads only when they hand over the GIL, which
+    misplaces much of their CPU on the frame that yielded (the start-up line says so). It
+    uses ``SIGPROF`` (``SIGALRM`` with ``clock="wall"``) and refuses to start, raising
     ``RuntimeError``, when that signal already has a handler. The timer signals the main thread
     only: no other thread is interrupted or has to block the signal.
 
@@ -423,9 +428,9 @@ class ExactBackend(WithPyroscopeSettings):
         if self.memory:
             logger.log(
                 level,
-                "spanprof: memory samples are not labelled under the pyroscope-io fallback (pid %d): "
-                "spanprof samples allocations only with its exact sampler, and pyroscope-io's "
-                "memory profiles carry no labels",
+                "spanprof: memory samples are not labelled under the pyroscope-io fallback "
+                "(pid %d): spanprof samples allocations only with its exact sampler, and "
+                "pyroscope-io's memory profiles carry no labels",
                 pid,
             )
 
