@@ -85,6 +85,7 @@ def test_an_unprepared_sampler_still_refuses_a_pool_thread() -> None:
     assert len(errors) == 1
     assert isinstance(errors[0], SamplerUnavailable)
     assert "pool-7" in str(errors[0])
+    assert "no handler was prepared there" in str(errors[0])
     assert signal.getsignal(signal.SIGPROF) == signal.SIG_DFL
 
 

@@ -538,7 +538,10 @@ class Sampler:
         else:
             reason = platform_reason()
             if reason is None and not self.prepared:
-                reason = unavailable_reason()
+                reason = (
+                    f"{unavailable_reason()}, and no handler was prepared there (a WSGI "
+                    "middleware built in the main thread, at import, prepares one)"
+                )
         if reason is not None:
             raise SamplerUnavailable(reason)
         current = self._check_signal()
