@@ -178,7 +178,8 @@ def run(quick: bool) -> Section:
         f"markers really burn ({_marker_ticks(next(iter(MODELS)), '0.5 ms'):.0f} ticks, "
         "thread CPU clocks); above 100%: the profiler counts time a thread waited for a core "
         "as CPU. *in marker*: the share of all CPU labelled with the requests' spans that "
-        "sits in the marker that burnt it (nearly all of it does). The other shares are of the "
+        "sits in the marker that burnt it (the markers burn nearly all of a request's CPU: "
+        "about 100% is right; less is CPU put on other frames). The other shares are of the "
         "samples in request markers; *exact*: the request's own `span_id`, `trace_id` and "
         "`span_name` and nothing else. Background: the burner thread's samples.",
         markdown_table(
