@@ -59,7 +59,7 @@ _AGENT_MISSING = (
 _THREADED_AGENT = (
     "requests run on pool threads (a threaded server), where auto prefers pyroscope-io: the "
     "exact sampler would read a pool thread's stack only when that thread hands over the GIL, "
-    "putting 30-70% of request CPU on the frame that released it instead of the function that "
+    "putting 22-73% of request CPU on the frame that released it instead of the function that "
     "burnt it (docs/benchmarks.md, attribution per WSGI server model), while pyroscope-io's "
     "per-thread tags are right because a request owns its thread. Samples carry no slo label "
     "and spans no spanprof.cpu_time_s; SPANPROF_PROFILER=exact gives both, and labelled memory, "
