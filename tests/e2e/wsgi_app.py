@@ -11,7 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
+
+if os.environ.get("E2E_WITHOUT_AGENT") == "1":
+    # Fault injection: `import pyroscope` fails, as where pyroscope-io is not installed (3.15).
+    sys.modules["pyroscope"] = None  # type: ignore[assignment]
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any

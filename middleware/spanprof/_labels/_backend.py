@@ -6,7 +6,13 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 from ._labelset import LabelSet
 
-__all__ = ["EndsSpans", "ProfilerBackend", "ReadsMainThreadContext", "SpanUsage"]
+__all__ = [
+    "EndsSpans",
+    "PreparesInMainThread",
+    "ProfilerBackend",
+    "ReadsMainThreadContext",
+    "SpanUsage",
+]
 
 
 @runtime_checkable
@@ -65,3 +71,16 @@ class EndsSpans(Protocol):
 
     def end_span(self, span_id: str, breached: bool | None) -> SpanUsage | None:
         """The span ``span_id`` ends; ``breached`` is its verdict (``None``: not timed)."""
+
+
+@runtime_checkable
+class PreparesInMainThread(Protocol):
+    """A backend with set-up that only the main thread can do, before ``start`` runs elsewhere.
+
+    ``ExactBackend`` installs its signal handler there, so that a threaded WSGI server's first
+    request can start it from a pool thread. ``WSGIProfilingMiddleware`` calls ``prepare``
+    when it is built in the main thread.
+    """
+
+    def prepare(self) -> None:
+        """Do the main thread's part of starting (idle until ``start``; undone by ``shutdown``)."""

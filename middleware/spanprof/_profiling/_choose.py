@@ -45,8 +45,10 @@ def profiler_from_env(environ: Mapping[str, str] | None = None) -> ProfilerBacke
     """The profiler ``SPANPROF_PROFILER`` names, configured from ``PYROSCOPE_*``, or ``None``.
 
     ``auto`` (default): the exact sampler wherever it can be exact, pyroscope-io with the label
-    engine where it cannot (a threaded server, no main-thread event loop); ``exact``: the same,
-    but a fallback is a warning; ``pyroscope``: the pyroscope-io agent. ``None`` when
+    engine where it cannot (no main-thread event loop) and for requests on pool threads (a
+    threaded server) unless pyroscope-io is not installed; ``exact``: the exact sampler
+    wherever it can run, threaded servers included, a fallback is a warning; ``pyroscope``:
+    the pyroscope-io agent. ``None`` when
     ``PYROSCOPE_SERVER_ADDRESS`` is unset (and no OTLP export is asked for). OTLP profiles
     (``SPANPROF_PROFILES_EXPORTER`` with ``otlp``) come from the exact sampler only: they
     contradict ``SPANPROF_PROFILER=pyroscope``.

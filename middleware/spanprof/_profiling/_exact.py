@@ -12,6 +12,7 @@ import atexit
 import functools
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
@@ -29,7 +30,15 @@ from ._exporters._pusher import Pusher, StepEncoder
 from ._hold import SloHold
 from ._pyroscope import PyroscopeBackend
 from ._samplers._memory import DEFAULT_SAMPLE_BYTES, MemorySampler, MemorySamplerUnavailable
-from ._samplers._signal import CLOCKS, Sampler, SamplerUnavailable, os_thread_ident
+from ._samplers._signal import (
+    CLOCKS,
+    Sampler,
+    SamplerUnavailable,
+    SignalInUse,
+    in_main_os_thread,
+    os_thread_ident,
+    unavailable_reason,
+)
 from ._settings import PyroscopeSettings, WithPyroscopeSettings
 from ._window import Window
 
@@ -37,6 +46,25 @@ __all__ = ["EXPORTERS", "ExactBackend", "parse_exporters"]
 
 #: Values of ``SPANPROF_PROFILES_EXPORTER`` / ``exporters=``, comma-separated.
 EXPORTERS = ("pyroscope", "otlp")
+# Said at start-up when requests run on pool threads (a threaded server).
+_THREADED = (
+    " (requests run on pool threads: the handler the WSGI middleware installed in the main "
+    "thread reads their stacks with the labels each thread runs under, and sees a pool thread "
+    "only when it hands over the GIL, so much of its CPU lands on the frame that released it)"
+)
+_AGENT_MISSING = (
+    "; chosen by SPANPROF_PROFILER=auto because pyroscope-io, which auto prefers on threaded "
+    "servers, is not installed (it has no build for CPython 3.15)"
+)
+_THREADED_AGENT = (
+    "requests run on pool threads (a threaded server), where auto prefers pyroscope-io: the "
+    "exact sampler would read a pool thread's stack only when that thread hands over the GIL, "
+    "putting 22-73% of request CPU on the frame that released it instead of the function that "
+    "burnt it (docs/benchmarks.md, attribution per WSGI server model), while pyroscope-io's "
+    "per-thread tags are right because a request owns its thread. Samples carry no slo label "
+    "and spans no spanprof.cpu_time_s; SPANPROF_PROFILER=exact gives both, and labelled memory, "
+    "with the exact sampler"
+)
 # server_address is not used without the pyroscope exporter; settings still need a valid one.
 _UNUSED_ADDRESS = "http://localhost:4040"
 
@@ -78,8 +106,13 @@ class ExactBackend(WithPyroscopeSettings):
 
     Requirements: Linux, the GIL, and ``start()`` in the main thread (the middleware starts it at
     lifespan startup, so the event loop must run in the main thread: uvicorn, gunicorn workers,
-    hypercorn). Otherwise it logs why at start-up and falls back to pyroscope-io with the label
-    engine. It uses ``SIGPROF`` (``SIGALRM`` with ``clock="wall"``) and refuses to start, raising
+    hypercorn), or in any thread after ``prepare()`` ran in the main thread (the WSGI
+    middleware calls it when built, for threaded servers whose first request runs on a pool
+    thread). Otherwise it logs why at start-up and falls back to pyroscope-io with the label
+    engine. Chosen by ``auto`` and started off the main thread, it also runs pyroscope-io when
+    that is installed: the handler sees pool threads only when they hand over the GIL, which
+    misplaces much of their CPU on the frame that yielded (the start-up line says so). It
+    uses ``SIGPROF`` (``SIGALRM`` with ``clock="wall"``) and refuses to start, raising
     ``RuntimeError``, when that signal already has a handler. The timer signals the main thread
     only: no other thread is interrupted or has to block the signal.
 
@@ -170,6 +203,8 @@ class ExactBackend(WithPyroscopeSettings):
         self._ident = os_thread_ident()
         self._atexit_registered = False
         self._last_stats: dict[str, float] = {}
+        # Why prepare() installed no handler for a start off the main thread (None: it did).
+        self._prepare_refusal: str | None = None
 
     @property
     def otlp_settings(self) -> OtlpSettings | None:
@@ -288,10 +323,25 @@ class ExactBackend(WithPyroscopeSettings):
             self._sink = _ignore
             self._context_thread = 0
             sampler = self._idle_sampler
-            if sampler is None or self._idle_pid != pid:
+            if sampler is None or (self._idle_pid != pid and not sampler.prepared):
+                # (A sampler prepared before a fork is the child's too: its handler is here.)
                 sampler = Sampler(sample_rate=self.sample_rate, clock=self.clock)
             # Restarted in the same process: keep its interned frames and stacks warm.
             self._idle_sampler, self._idle_pid = sampler, pid
+            in_main = in_main_os_thread()
+            agent_missing = ""
+            if not in_main and self.auto and self.exporters == ("pyroscope",):
+                # A threaded server: auto prefers the agent where it is installed (see _THREADED).
+                try:
+                    agent = PyroscopeBackend(**self._settings.arguments())
+                except RuntimeError:
+                    agent_missing = _AGENT_MISSING
+                else:
+                    self._start_fallback(agent, pid, _THREADED_AGENT)
+                    sampler.stop()  # a handler prepared in the main thread goes: not needed
+                    self._pid = pid
+                    self._register_atexit()
+                    return
             # Everything that can fail comes before the timer is armed, and whatever fails after
             # is undone: a failed start leaves no timer, no handler and no thread behind.
             exporters = self._new_exporters(sampler)
@@ -304,6 +354,8 @@ class ExactBackend(WithPyroscopeSettings):
                 sampler.start()  # armed last
             except SamplerUnavailable as exc:
                 stop_all(exporters)
+                if not in_main and self._prepare_refusal is not None:
+                    exc = SamplerUnavailable(f"{exc}; {self._prepare_refusal}")
                 if "pyroscope" not in self.exporters:
                     logger.warning(
                         "spanprof: the exact sampler cannot run in this process (pid %d): %s. "
@@ -312,29 +364,24 @@ class ExactBackend(WithPyroscopeSettings):
                         exc,
                     )
                     return
-                logger.log(
-                    logging.INFO if self.auto else logging.WARNING,
-                    "spanprof: profiling with pyroscope-io and the label engine (pid %d): the "
-                    "exact sampler cannot run here, %s. Its samples may carry the labels of "
-                    "whatever ran ~0.2 ms after the stack was read; serve requests from an event "
-                    "loop, gevent or a sync worker in the main thread to profile them exactly. "
-                    "Samples carry no slo label (breached/ok) and spans no spanprof.cpu_time_s: "
-                    "both need the exact sampler",
+                try:
+                    fallback = PyroscopeBackend(**self._settings.arguments())
+                except RuntimeError as missing:  # no agent (CPython 3.15): say both reasons
+                    raise RuntimeError(
+                        f"spanprof: no profiler can run in this process (pid {pid}): the exact "
+                        f"sampler cannot run here, {exc}; and {missing}"
+                    ) from missing
+                self._start_fallback(
+                    fallback,
                     pid,
-                    exc,
+                    "the exact sampler cannot run here, "
+                    f"{exc}. Its samples may carry the labels of whatever ran ~0.2 ms after the "
+                    "stack was read; serve requests from an event loop, gevent or a sync worker "
+                    "in the main thread, or build the WSGI middleware in the main thread (at "
+                    "import) of a threaded server, to profile them exactly. Samples carry no "
+                    "slo label (breached/ok) and spans no spanprof.cpu_time_s: both need the "
+                    "exact sampler",
                 )
-                fallback = PyroscopeBackend(**self._settings.arguments())
-                fallback.start()
-                self._fallback = fallback
-                self._sink = fallback.set_thread_labels
-                if self.memory:
-                    logger.log(
-                        logging.INFO if self.auto else logging.WARNING,
-                        "spanprof: memory samples are not labelled under the pyroscope-io "
-                        "fallback (pid %d): spanprof samples allocations only with its exact "
-                        "sampler, and pyroscope-io's memory profiles carry no labels",
-                        pid,
-                    )
             except BaseException:
                 stop_all(exporters)
                 sampler.stop()
@@ -343,22 +390,82 @@ class ExactBackend(WithPyroscopeSettings):
                 self._sampler, self._exporters, self._hold = sampler, exporters, hold
                 self._sink = sampler.set_thread_labels
                 self._ident = sampler.ident
-                self._context_thread = self._ident()
+                # The main thread's labels are read from its context, not pushed.
+                self._context_thread = sampler.main_ident
                 logger.info(
                     "spanprof: profiling with the exact sampler (pid %d, %s): stack and labels "
-                    "read at one instant in the main thread%s; exporting to %s",
+                    "read at one instant in the main thread%s%s; exporting to %s",
                     pid,
                     f"SPANPROF_PROFILER={'auto' if self.auto else 'exact'}",
+                    "" if in_main else _THREADED + agent_missing,
                     "" if self.clock == "cpu" else ", wall clock",
                     " and ".join(self.exporters),
                 )
                 if self.memory:
                     self._start_memory(pid)
             self._pid = pid
-            if not self._atexit_registered:
-                # Like pyroscope-io: the last window is sent even without a lifespan shutdown.
-                atexit.register(self.shutdown)
-                self._atexit_registered = True
+            self._register_atexit()
+
+    def _register_atexit(self) -> None:
+        if not self._atexit_registered:
+            # Like pyroscope-io: the last window is sent even without a lifespan shutdown.
+            atexit.register(self.shutdown)
+            self._atexit_registered = True
+
+    def _start_fallback(self, fallback: PyroscopeBackend, pid: int, why: str) -> None:
+        # pyroscope-io and the label engine instead of the exact sampler, saying why.
+        level = logging.INFO if self.auto else logging.WARNING
+        logger.log(
+            level,
+            "spanprof: profiling with pyroscope-io and the label engine (pid %d, %s): %s",
+            pid,
+            f"SPANPROF_PROFILER={'auto' if self.auto else 'exact'}",
+            why,
+        )
+        fallback.start()
+        self._fallback = fallback
+        self._sink = fallback.set_thread_labels
+        if self.memory:
+            logger.log(
+                level,
+                "spanprof: memory samples are not labelled under the pyroscope-io fallback "
+                "(pid %d): spanprof samples allocations only with its exact sampler, and "
+                "pyroscope-io's memory profiles carry no labels",
+                pid,
+            )
+
+    def prepare(self) -> None:
+        """In the main thread: install the sampler's signal handler (idle) for a later ``start``.
+
+        A threaded WSGI server (gunicorn gthread, waitress) imports the app in the main thread
+        and serves requests on pool threads, where the first request starts the profiler and
+        ``signal.signal`` is not allowed. ``WSGIProfilingMiddleware`` calls this when it is
+        built, so that ``start`` can then arm the timer from a pool thread; the handler is
+        inherited by forked workers and removed by ``shutdown``. Elsewhere, or where the
+        sampler cannot run, it does nothing: ``start`` says why.
+        """
+        with self._lock:
+            pid = os.getpid()
+            if self._pid == pid or unavailable_reason() is not None:
+                return
+            if "uwsgi" in sys.modules:
+                # uWSGI's main thread runs Python code only while it serves a request itself:
+                # between requests it waits in C, and the handler would run late.
+                self._prepare_refusal = (
+                    "under uWSGI the main thread runs Python code only while it serves a "
+                    "request itself, so no handler is prepared there"
+                )
+                return
+            sampler = self._idle_sampler
+            if sampler is None or self._idle_pid != pid:
+                sampler = Sampler(sample_rate=self.sample_rate, clock=self.clock)
+                self._idle_sampler, self._idle_pid = sampler, pid
+            try:
+                sampler.prepare()
+            except (SamplerUnavailable, SignalInUse):
+                return  # start() raises or falls back, and says why
+            self._prepare_refusal = None
+            self._register_atexit()
 
     def _new_exporters(self, sampler: Sampler) -> list[WindowExporter]:
         exporters: list[WindowExporter] = []
@@ -458,6 +565,9 @@ class ExactBackend(WithPyroscopeSettings):
         runs Python code (see ``Sampler.stop``).
         """
         with self._lock:
+            idle = self._idle_sampler
+            if idle is not None and idle.prepared and not idle.running:
+                idle.stop()  # prepared, not sampling (never started, or the agent runs)
             if self._pid != os.getpid():
                 return
             self._pid = None

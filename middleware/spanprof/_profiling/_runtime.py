@@ -9,7 +9,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 
-from .._labels._backend import EndsSpans, ProfilerBackend, SpanUsage
+from .._labels._backend import EndsSpans, PreparesInMainThread, ProfilerBackend, SpanUsage
 from .._labels._engine import (
     Mechanism,
     install_label_engine,
@@ -19,6 +19,7 @@ from .._labels._engine import (
 from .._labels._greenlets import greenlets_in_use, install_greenlet_labels
 from .._logging import log_once, logger
 from ._pyroscope import PyroscopeBackend
+from ._samplers._signal import in_main_os_thread
 
 __all__ = ["SHUTDOWN_TIMEOUT_SECONDS", "ProfilerRuntime", "stop_started"]
 
@@ -71,6 +72,25 @@ class ProfilerRuntime:
         """Start if this process has not started yet; cheap when it has."""
         if self.backend is not None and self._pid != os.getpid():
             self.start()
+
+    def prepare(self) -> None:
+        """In the main thread, let the backend prepare a later ``start`` from another thread.
+
+        The WSGI middleware calls this when it is built; threaded servers build it in the main
+        thread and start it on their first request, in a pool thread. Does nothing in other
+        threads or for backends with nothing to prepare; failures are logged, not raised.
+        """
+        backend = self.backend
+        if not isinstance(backend, PreparesInMainThread) or not in_main_os_thread():
+            return
+        try:
+            backend.prepare()
+        except Exception:
+            log_once(
+                f"backend-prepare-{id(backend)}",
+                "spanprof: the profiler backend failed to prepare in the main thread; it may "
+                "fall back when a pool thread starts it (logged once)",
+            )
 
     def start(self) -> None:
         """Start the backend and install the label engine; failures are logged, not raised."""

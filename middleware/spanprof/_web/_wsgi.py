@@ -74,7 +74,10 @@ class WSGIProfilingMiddleware:
 
     The profiler starts on the first request a process serves, so under a pre-forking server
     (gunicorn, uWSGI, also with ``preload_app``) it starts in each worker after the fork, never
-    in the master.
+    in the master. Built in the main thread (as an app module imported by the server is), the
+    middleware lets the exact profiler install its signal handler there, idle until then, so
+    that threaded servers (gunicorn gthread, waitress), whose first request runs on a pool
+    thread, are profiled exactly too.
 
     Arguments:
         app: the WSGI application (for Flask, ``app.wsgi_app``).
@@ -102,6 +105,9 @@ class WSGIProfilingMiddleware:
             "WSGIProfilingMiddleware", options, route_resolver=route_resolver, resolves="environ"
         )
         self._runtime = settings.runtime
+        # Built in the main thread (at import, as servers load apps): a threaded server's first
+        # request may then start the exact sampler from a pool thread (see ExactBackend.prepare).
+        self._runtime.prepare()
         self._with_trace_id = settings.with_trace_id
         self._durations = settings.durations
         tracer_provider = settings.tracer_provider

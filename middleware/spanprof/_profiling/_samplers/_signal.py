@@ -81,6 +81,7 @@ __all__ = [
     "SignalInUse",
     "in_main_os_thread",
     "os_thread_ident",
+    "platform_reason",
     "signal_for",
     "thread_cpu_clock",
     "unavailable_reason",
@@ -190,13 +191,24 @@ def in_main_os_thread() -> bool:
     return threading.get_native_id() == os.getpid()
 
 
-def unavailable_reason() -> str | None:
-    """Why the calling thread cannot start an exact sampler here, or ``None`` if it can."""
+def platform_reason() -> str | None:
+    """Why this interpreter cannot run an exact sampler at all, or ``None`` if it can."""
     if not sys.platform.startswith("linux"):
         return f"it needs Linux per-thread CPU clocks (this is {sys.platform})"
     is_gil_enabled: Callable[[], bool] | None = getattr(sys, "_is_gil_enabled", None)
     if is_gil_enabled is not None and not is_gil_enabled():
         return "it needs the GIL to read stacks and labels at one instant (free-threaded build)"
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why the calling thread cannot start (or prepare) an exact sampler, or ``None``.
+
+    A sampler ``prepare``-d in the main thread may then ``start`` in any thread.
+    """
+    reason = platform_reason()
+    if reason is not None:
+        return reason
     if not in_main_os_thread():
         return (
             "it must start in the main thread, where Python runs signal handlers, but it was "
@@ -204,6 +216,34 @@ def unavailable_reason() -> str | None:
             "main thread?)"
         )
     return None
+
+
+def _thread_cpu_ns(native_id: int) -> int:
+    """CPU time of thread ``native_id`` so far (0 if it cannot be read)."""
+    try:
+        return time.clock_gettime_ns(thread_cpu_clock(native_id))
+    except OSError:
+        return 0
+
+
+def _quiet_wakeup_fd() -> None:
+    """Keep the sampler's ticks from flooding a signal wakeup fd nobody reads (main thread).
+
+    Python writes one byte per signal to the fd ``signal.set_wakeup_fd`` names, and by default
+    reports every write to a full buffer as an "Exception ignored" traceback. gunicorn's
+    gthread and gevent workers set that fd to a pipe they never read: after 65,536 ticks (11
+    minutes of CPU at 100 Hz) every tick would print one. The fd stays where it is; only the
+    warning goes (trio configures its own fd so). An event loop running here reads its fd
+    (and dispatches ``add_signal_handler`` callbacks from the bytes): it is left alone, since
+    there is no getter and the fd is unset for the instant between the two calls.
+    """
+    asyncio: Any = sys.modules.get("asyncio")
+    if asyncio is not None and asyncio._get_running_loop() is not None:
+        return
+    with contextlib.suppress(ValueError, OSError):
+        fd = signal.set_wakeup_fd(-1)
+        if fd != -1:
+            signal.set_wakeup_fd(fd, warn_on_full_buffer=False)
 
 
 def _blocking_codes() -> dict[int, CodeType]:
@@ -337,6 +377,10 @@ class Sampler:
         self._previous_handler: Any = signal.SIG_DFL
         # Stopped off the main thread: the main thread's next handler run restores the handler.
         self._restore_pending = False
+        # The process that prepared or started it (0: neither yet).
+        self._pid = 0
+        # The first tick turns off the wakeup fd's full-buffer warning (see _quiet_wakeup_fd).
+        self._quiet_wakeup = False
         self._main_ident = 0
         self._ident: Callable[[], int] = _thread.get_ident
         self._main_last = 0
@@ -396,21 +440,51 @@ class Sampler:
         return self._ident
 
     @property
+    def main_ident(self) -> int:
+        """The ident of the thread the handler runs in (whose labels it reads from its context)."""
+        return self._main_ident
+
+    @property
     def running(self) -> bool:
-        """Whether the timer is armed."""
-        return self._running
+        """Whether the timer is armed in this process."""
+        return self._running and self._pid == os.getpid()
 
-    def start(self) -> None:
-        """Install the signal handler and arm the timer.
+    @property
+    def prepared(self) -> bool:
+        """Whether this sampler's handler is installed in this process (``prepare``, ``start``).
 
-        Raises ``SamplerUnavailable`` when this thread/process cannot be sampled exactly and
-        ``SignalInUse`` when the signal already has another handler or the timer is armed.
+        Inherited over a fork: the child's main thread is the thread that forked.
         """
-        if self._running:
+        return bool(signal.getsignal(self.signum) == self._on_signal)
+
+    def prepare(self) -> None:
+        """Install the signal handler, idle, so that ``start`` may then run in any thread.
+
+        Main thread only (``signal.signal`` works nowhere else). A threaded server builds the
+        app (and spanprof's WSGI middleware, which calls this) in the main thread, then serves
+        requests on pool threads: the first one starts the sampler from there. The handler does
+        nothing until the timer is armed; ``stop`` removes it. Raises like ``start``.
+        """
+        if self.prepared:
             return
         reason = unavailable_reason()
         if reason is not None:
             raise SamplerUnavailable(reason)
+        current = self._check_signal()
+        owner = _sampler_of(current)
+        if owner is not None and owner.running:
+            raise SignalInUse(
+                f"another exact sampler handles {signal.Signals(self.signum).name} in this "
+                "process already"
+            )
+        self._adopt(current)
+        self._ident = os_thread_ident()
+        self._main_ident = self._ident()
+        self._pid = os.getpid()
+        signal.signal(self.signum, self._on_signal)
+
+    def _check_signal(self) -> Any:
+        # The signal's current handler, if the sampler may take it over; else SignalInUse.
         name = signal.Signals(self.signum).name
         current = signal.getsignal(self.signum)
         if not (current == signal.SIG_DFL or _is_sampler_handler(current)):
@@ -424,8 +498,64 @@ class Sampler:
                 f"spanprof's exact profiler needs the {name} interval timer, but it is already "
                 "armed by someone else; use SPANPROF_PROFILER=pyroscope"
             )
+        return current
+
+    def _adopt(self, current: Any) -> None:
+        # What this sampler puts back when it stops.
+        owner = _sampler_of(current)
+        if owner is self:
+            return
+        if owner is not None:
+            # A sampler's handler is still installed (stopped off the main thread, or before a
+            # fork): what it would have put back is what this one puts back.
+            self._previous_handler = owner._previous_handler
+            owner._restore_pending = False
+        else:
+            self._previous_handler = current
+
+    def start(self) -> None:
+        """Install the signal handler (unless ``prepare`` did) and arm the timer.
+
+        In the main thread, or in any thread once ``prepare`` ran in the main thread of this
+        process (or of the parent it was forked from). Raises ``SamplerUnavailable`` when this
+        thread/process cannot be sampled exactly and ``SignalInUse`` when the signal already
+        has another handler or the timer is armed.
+        """
+        pid = os.getpid()
+        if self._running and self._pid == pid:
+            return
+        if self._pid != pid:
+            # Forked from the process that prepared or ran it: no timer came over, and that
+            # process's samples are its own to send.
+            self._running = False
+            self._directed = None
+            self._window = Window(time.time_ns(), StackTables())
+            self._span_ns.clear()
+            self._entries.clear()
+        in_main = in_main_os_thread()
+        if in_main:
+            reason = unavailable_reason()
+        else:
+            reason = platform_reason()
+            if reason is None and not self.prepared:
+                reason = (
+                    f"{unavailable_reason()}, and no handler was prepared there (a WSGI "
+                    "middleware built in the main thread, at import, prepares one)"
+                )
+        if reason is not None:
+            raise SamplerUnavailable(reason)
+        current = self._check_signal()
         self._ident = os_thread_ident()
-        self._main_ident = self._ident()
+        if in_main:
+            self._main_ident = self._ident()
+            main_native = threading.get_native_id()
+        else:
+            # Prepared there: the handler runs in the main thread, whose TID is the pid.
+            main = threading.main_thread()
+            if main.ident is None or not main.is_alive():
+                raise SamplerUnavailable("the main thread, which runs the handler, has exited")
+            self._main_ident = main.ident
+            main_native = pid
         # A restart begins like the label engine's install: every thread from empty labels.
         self._labels.clear()
         self._versions.clear()
@@ -434,27 +564,29 @@ class Sampler:
         self._main_sample = None
         self._blocking = _blocking_codes()
         self._main_idle = dict(self._blocking)
-        driver = _loop_driver_code(sys._getframe(1))
-        if driver is not None and not _is_python_loop_running():
-            self._main_idle[id(driver)] = driver
-        self._main_last = self._now_main()
-        owner = _sampler_of(current)
-        if owner is not None:
-            # A sampler's handler is still installed (stopped off the main thread, or before a
-            # fork): what it would have put back is what this one puts back.
-            self._previous_handler = owner._previous_handler
-            owner._restore_pending = False
+        if in_main:
+            driver = _loop_driver_code(sys._getframe(1))
+            if driver is not None and not _is_python_loop_running():
+                self._main_idle[id(driver)] = driver
+            self._main_last = self._now_main()
         else:
-            self._previous_handler = current
+            self._main_last = time.perf_counter_ns() if self._wall else _thread_cpu_ns(main_native)
+        self._adopt(current)
         try:
-            directed = ThreadTimer(self._clock_id, self.signum, threading.get_native_id())
+            directed = ThreadTimer(self._clock_id, self.signum, main_native)
         except OSError as exc:
             raise SamplerUnavailable(
                 f"it needs a timer that signals the main thread (timer_create): {exc}"
             ) from exc
         self._restore_pending = False
+        # In the main thread now; else at the first tick, which runs there.
+        self._quiet_wakeup = not in_main
+        if in_main:
+            _quiet_wakeup_fd()
         try:
-            signal.signal(self.signum, self._on_signal)
+            if in_main:
+                signal.signal(self.signum, self._on_signal)
+            self._pid = pid
             self._directed = directed
             self._running = True
             # Armed last. Re-armed with a random interval after each tick; the period is a
@@ -463,24 +595,29 @@ class Sampler:
             if not directed.arm(self.interval, self.interval):
                 raise SamplerUnavailable("timer_settime refused to arm the sampler's timer")
         except BaseException:
-            # Nothing stays behind: no timer, and the handler that was there before.
+            # Nothing stays behind: no timer, and the handler that was there before (prepared
+            # elsewhere: it stays, idle, until stop() removes it).
             self._running = False
             self._directed = None
             directed.delete()
-            if signal.getsignal(self.signum) == self._on_signal:
+            if in_main and signal.getsignal(self.signum) == self._on_signal:
                 signal.signal(self.signum, signal.SIG_IGN)
                 signal.signal(self.signum, self._previous_handler)
             raise
 
     def stop(self) -> None:
-        """Disarm the timer and restore the previous handler.
+        """Disarm the timer and restore the previous handler (also one ``prepare`` installed).
 
         In the main thread the handler is restored at once. In another thread (a shutdown
         thread, an atexit hook run elsewhere) ``signal.signal`` is not allowed: the timer is
         deleted at once, and the main thread restores the handler itself when it next runs
         Python code, woken by one more signal sent to it alone.
         """
-        if not self._running:
+        if not self.running:
+            self._running = False
+            self._directed = None
+            if self.prepared:
+                self._release()
             return
         self._running = False
         directed, self._directed = self._directed, None
@@ -492,13 +629,18 @@ class Sampler:
             self._drain_boundaries(self._window)
         finally:
             self._busy = False
+        self._release()
+
+    def _release(self) -> None:
+        # The timer is gone: put the previous handler back, or have the main thread do it.
         if in_main_os_thread():
             self._restore_handler()
             return
         self._restore_pending = True
+        main = threading.main_thread().ident if self._pid != os.getpid() else self._main_ident
         # OSError/ValueError: the main thread is gone, and nobody will run handlers any more.
-        with contextlib.suppress(OSError, ValueError):
-            signal.pthread_kill(self._main_ident, self.signum)
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            signal.pthread_kill(main or 0, self.signum)
 
     @property
     def restore_pending(self) -> bool:
@@ -602,6 +744,9 @@ class Sampler:
                 self.reentered += 1
             return
         self._busy = True
+        if self._quiet_wakeup:
+            self._quiet_wakeup = False
+            _quiet_wakeup_fd()
         started = time.perf_counter_ns()
         cpu_started = time.thread_time_ns()
         # The collector is left alone (it is the application's; see the module docstring):
