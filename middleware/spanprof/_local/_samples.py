@@ -22,21 +22,17 @@ from .._profiling._encoders._pprof import ProfileBuilder
 from .._profiling._window import Frame
 from ._compare import SloComparison
 from ._receiver import ReceivedPush
+from ._stacks import MAX_NAME, TRUNCATED, FramePool, flame_tree, stack_cost
 
 __all__ = ["SampleStore", "SpanProfile"]
 
 _CPU_TYPE = ("cpu", "nanoseconds")
 _ALLOC_TYPE = ("alloc_space", "bytes")
 _DEFAULT_PERIOD_NS = 10_000_000
-# Longer than any real function, file or span name; an upload's strings can be megabytes.
-_MAX_NAME = 1024
+_MAX_NAME = MAX_NAME
 # A span id is 16 hex digits; anything much longer is not one of ours.
 _MAX_ID = 64
 _MAX_SERVICES = 64
-_TRUNCATED = (Frame("[truncated]", "", 0),)
-# CPython sizes, rounded up: what one more kept thing costs (tuple or dict slot, objects).
-_STACK_OVERHEAD = 160
-_FRAME_OVERHEAD = 300
 _SPAN_OVERHEAD = 1000
 
 
@@ -61,41 +57,6 @@ class _Totals:
     labelled_ns: int = 0
     double_labelled_ns: int = 0
     services: set[str] = field(default_factory=set)
-
-
-def _node(name: str, filename: str) -> dict[str, Any]:
-    return {"name": name, "file": filename, "value": 0, "children": {}}
-
-
-def _finish(root: dict[str, Any]) -> dict[str, Any]:
-    # Iterative: a stack is as deep as the interpreter lets a program recurse, far deeper than
-    # this function could recurse over it.
-    todo = [root]
-    while todo:
-        node = todo.pop()
-        children = sorted(node["children"].values(), key=lambda c: (-c["value"], c["name"]))
-        node["children"] = children
-        todo.extend(children)
-    return root
-
-
-def _frame_cost(frame: Frame) -> int:
-    return _FRAME_OVERHEAD + len(frame.function) + len(frame.filename)
-
-
-def _stack_cost(stack: tuple[Frame, ...]) -> int:
-    return _STACK_OVERHEAD + 8 * len(stack)
-
-
-def _cut(stack: tuple[Frame, ...], max_depth: int) -> tuple[Frame, ...]:
-    """``stack`` (leaf first) with its middle replaced by a marker when deeper than allowed."""
-    if len(stack) <= max_depth:
-        return stack
-    keep = max_depth - 1
-    leaf, root = keep - keep // 2, keep // 2
-    elided = len(stack) - leaf - root
-    marker = Frame(f"[{elided} frames elided]", "", 0)
-    return (*stack[:leaf], marker, *stack[len(stack) - root :])
 
 
 class SampleStore:
@@ -123,23 +84,17 @@ class SampleStore:
         max_bytes: int = 64 * 1024 * 1024,
         comparison: SloComparison | None = None,
     ) -> None:
-        if max_depth < 3:
-            raise ValueError(
-                f"max_depth: expected at least 3 (leaf, marker, root), got {max_depth}"
-            )
         self._lock = threading.Lock()
         self._comparison = comparison
         self._spans: OrderedDict[str, SpanProfile] = OrderedDict()
         self._max_spans = max_spans
         self._max_stacks = max_stacks_per_span
-        self._max_depth = max_depth
         self._max_bytes = max_bytes
         self._period_ns = _DEFAULT_PERIOD_NS
         self._totals = _Totals()
         # Every kept stack refers to these frames, so the frames of a thousand uploads of the
-        # same code are stored once. Dropped spans leave theirs here until _compact_frames.
-        self._frames: dict[Frame, Frame] = {}
-        self._frame_bytes = 0
+        # same code are stored once. Dropped spans leave theirs here until _enforce_bytes.
+        self._frames = FramePool(max_depth)
         # Estimated bytes per span id (stacks and names), and their sum.
         self._span_bytes: dict[str, int] = {}
         self._stack_bytes = 0
@@ -215,7 +170,7 @@ class SampleStore:
         if len(set(span_ids)) > 1:
             totals.double_labelled_ns += value
         label_map = dict(labels)
-        kept = self._keep(stack)
+        kept = self._frames.keep(stack)
         comparison = self._comparison
         span_name = label_map.get("span_name")
         if comparison is not None and span_name:
@@ -244,28 +199,11 @@ class SampleStore:
                 stacks[kept] = previous + value
             elif len(stacks) < self._max_stacks:
                 stacks[kept] = value
-                self._charge(span_id, _stack_cost(kept))
+                self._charge(span_id, stack_cost(kept))
             else:
-                if _TRUNCATED not in stacks:
-                    self._charge(span_id, _stack_cost(_TRUNCATED))
-                stacks[_TRUNCATED] = stacks.get(_TRUNCATED, 0) + value
-
-    def _keep(self, stack: tuple[Frame, ...]) -> tuple[Frame, ...]:
-        """``stack`` cut to ``max_depth``, its names to ``_MAX_NAME``, its frames shared."""
-        frames = self._frames
-        out = []
-        for frame in _cut(stack, self._max_depth):
-            shared = frames.get(frame)
-            if shared is None:
-                if len(frame.function) > _MAX_NAME or len(frame.filename) > _MAX_NAME:
-                    frame = Frame(
-                        frame.function[:_MAX_NAME], frame.filename[:_MAX_NAME], frame.line
-                    )
-                shared = frames.setdefault(frame, frame)
-                if shared is frame:
-                    self._frame_bytes += _frame_cost(frame)
-            out.append(shared)
-        return tuple(out)
+                if TRUNCATED not in stacks:
+                    self._charge(span_id, stack_cost(TRUNCATED))
+                stacks[TRUNCATED] = stacks.get(TRUNCATED, 0) + value
 
     def _charge(self, span_id: str, cost: int) -> None:
         self._span_bytes[span_id] = self._span_bytes.get(span_id, 0) + cost
@@ -282,28 +220,20 @@ class SampleStore:
         The slack makes the frame compaction (a walk over everything kept) happen once per
         quarter of the budget of new data, not on every upload of a full store.
         """
-        if self._stack_bytes + self._frame_bytes <= self._max_bytes:
+        if self._stack_bytes + self._frames.bytes <= self._max_bytes:
             return
         target = self._max_bytes * 3 // 4
         while True:
             # Frames of dropped spans stay counted until compacted: compact, then re-check.
             self._compact_frames()
-            if not self._spans or self._stack_bytes + self._frame_bytes <= target:
+            if not self._spans or self._stack_bytes + self._frames.bytes <= target:
                 return
-            while self._spans and self._stack_bytes + self._frame_bytes > target:
+            while self._spans and self._stack_bytes + self._frames.bytes > target:
                 self._evict_oldest()
 
     def _compact_frames(self) -> None:
         """Forget the shared frames no kept stack refers to any more."""
-        # Kept frames are already shared, so identity finds them without hashing each one
-        # (a Frame's hash is computed in Python, field by field).
-        by_id: dict[int, Frame] = {}
-        for profile in self._spans.values():
-            for stack in profile.stacks:
-                for frame in stack:
-                    by_id[id(frame)] = frame
-        self._frames = {frame: frame for frame in by_id.values()}
-        self._frame_bytes = sum(_frame_cost(f) for f in self._frames)
+        self._frames.compact(stack for profile in self._spans.values() for stack in profile.stacks)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -341,7 +271,7 @@ class SampleStore:
                 "double_labelled_ns": totals.double_labelled_ns,
                 "spans_with_samples": len(self._spans),
                 "evicted_spans": self._evicted,
-                "kept_bytes": self._stack_bytes + self._frame_bytes,
+                "kept_bytes": self._stack_bytes + self._frames.bytes,
                 "services": sorted(totals.services),
                 "period_ns": self._period_ns,
             }
@@ -353,21 +283,9 @@ class SampleStore:
         yet gets a root with value 0 and no children.
         """
         profile = self.span(span_id)
-        root = _node(f"span {span_id}", "")
         if profile is None:
-            return _finish(root)
-        root["name"] = profile.span_name or root["name"]
-        for stack, value in profile.stacks.items():
-            root["value"] += value
-            node = root
-            for frame in reversed(stack):  # root first
-                key = (frame.function, frame.filename)
-                child = node["children"].get(key)
-                if child is None:
-                    child = node["children"][key] = _node(frame.function, frame.filename)
-                child["value"] += value
-                node = child
-        return _finish(root)
+            return flame_tree(f"span {span_id}", ())
+        return flame_tree(profile.span_name or f"span {span_id}", profile.stacks.items())
 
     def pprof(self, span_id: str) -> bytes | None:
         """A gzip-compressed pprof of the span's samples, labelled like the originals."""
