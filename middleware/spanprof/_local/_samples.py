@@ -2,11 +2,12 @@
 
 Every upload of the profiler is split by the ``span_id`` label of its samples. A span's flame
 graph and pprof are built only from the samples labelled with that span id; samples without a
-span id (startup, background work, the server's own loop) are counted but not kept.
+span id (startup, background work, the server's own loop) are counted but not kept. Memory
+series are handed to a ``MemoryStore`` (``_memory``), which keeps them by span id its own way.
 
 Anything on the machine can push here, so what is kept is bounded by bytes, not only by counts:
 stacks deeper than ``max_depth`` keep their leaf and root ends around a marker frame, names are
-cut at ``_MAX_NAME`` characters, frames are shared between stacks, and the oldest span ids go
+cut at ``MAX_NAME`` characters, frames are shared between stacks, and the oldest span ids go
 first once the estimate passes ``max_bytes``.
 """
 
@@ -21,13 +22,13 @@ from typing import Any
 from .._profiling._encoders._pprof import ProfileBuilder
 from .._profiling._window import Frame
 from ._compare import SloComparison
+from ._memory import MemoryStore
 from ._receiver import ReceivedPush
 from ._stacks import MAX_NAME, TRUNCATED, FramePool, flame_tree, stack_cost
 
 __all__ = ["SampleStore", "SpanProfile"]
 
 _CPU_TYPE = ("cpu", "nanoseconds")
-_ALLOC_TYPE = ("alloc_space", "bytes")
 _DEFAULT_PERIOD_NS = 10_000_000
 _MAX_NAME = MAX_NAME
 # A span id is 16 hex digits; anything much longer is not one of ours.
@@ -73,6 +74,8 @@ class SampleStore:
             span ids are dropped (counted as ``evicted_spans`` in ``status()``).
         comparison: also fed every request sample with its ``span_name`` and ``slo`` labels
             (the breach-vs-ok comparison per route), with its own bound.
+        memory: where the memory series go (default: a ``MemoryStore`` with its defaults and
+            this store's ``max_depth``).
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class SampleStore:
         max_depth: int = 2048,
         max_bytes: int = 64 * 1024 * 1024,
         comparison: SloComparison | None = None,
+        memory: MemoryStore | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._comparison = comparison
@@ -99,8 +103,8 @@ class SampleStore:
         self._span_bytes: dict[str, int] = {}
         self._stack_bytes = 0
         self._evicted = 0
-        # span id -> bytes allocated (estimates from the memory profiles), newest last.
-        self._allocated: OrderedDict[str, int] = OrderedDict()
+        #: The memory samples (allocated and in use, per span and route).
+        self.memory = memory if memory is not None else MemoryStore(max_depth=max_depth)
 
     def ingest(self, push: ReceivedPush) -> None:
         """Split one accepted push by span id (the receiver's ``on_push`` callback)."""
@@ -108,10 +112,7 @@ class SampleStore:
             self._totals.pushes += 1
             for series in push.series:
                 name = series.label("__name__")
-                if name == "memory":
-                    self._add_memory(series.profiles)
-                    continue
-                if name not in (None, "process_cpu"):
+                if name not in (None, "process_cpu"):  # memory: see MemoryStore
                     continue
                 service = (series.label("service_name") or "")[:_MAX_NAME]
                 services = self._totals.services
@@ -125,33 +126,11 @@ class SampleStore:
                     for sample in profile.samples:
                         self._add(sample.stack, sample.value, sample.labels, service, push)
             self._enforce_bytes()
-
-    def _add_memory(self, profiles: Any) -> None:
-        # Memory profiles are not drawn: the page shows what each span allocated, in bytes.
-        for profile in profiles:
-            if _ALLOC_TYPE not in profile.sample_types:
-                continue
-            index = profile.sample_types.index(_ALLOC_TYPE)
-            for sample in profile.samples:
-                value = sample.values[index] if index < len(sample.values) else 0
-                if value <= 0:
-                    continue
-                for key, span_id in sample.labels:
-                    if key == "span_id" and len(span_id) <= _MAX_ID:
-                        allocated = self._allocated
-                        if span_id in allocated:
-                            allocated[span_id] += value
-                            allocated.move_to_end(span_id)
-                        else:
-                            allocated[span_id] = value
-                            if len(allocated) > self._max_spans:
-                                allocated.popitem(last=False)
-                        break
+        self.memory.ingest(push)
 
     def allocated_bytes(self, span_id: str) -> int:
         """Bytes ``span_id`` allocated, from the memory profiles received (0 when none)."""
-        with self._lock:
-            return self._allocated.get(span_id, 0)
+        return self.memory.allocated_bytes(span_id)
 
     def _add(
         self,
