@@ -30,7 +30,7 @@ from .._profiling._encoders._push import PushSeries
 from .._profiling._window import Frame
 from ._compare import SIDES, SloComparison
 from ._receiver import ReceivedPush
-from ._stacks import MAX_NAME, TRUNCATED, FramePool, flame_tree, stack_cost
+from ._stacks import MAX_NAME, TRUNCATED, FramePool, stack_cost
 
 __all__ = ["MEMORY_KINDS", "MEMORY_UNITS", "MemoryStore"]
 
@@ -306,10 +306,6 @@ class MemoryStore:
                     if row[position]:
                         out[stack] = out.get(stack, 0) + row[position]
         return out
-
-    def flamegraph(self, span_id: str, kind: str, name: str = "") -> dict[str, Any]:
-        """``span_id``'s ``kind`` as a d3-flame-graph tree, its root called ``name``."""
-        return flame_tree(name or f"span {span_id}", self.stacks(span_id, kind).items())
 
     def inuse_at(self) -> float | None:
         """When the newest in-use snapshot arrived (Unix seconds), if any did."""
