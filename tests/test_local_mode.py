@@ -359,7 +359,8 @@ def memory_flamegraph(ui: str, span_id: str, kind: str, timeout: float = 20.0) -
 def test_memory_flame_graphs_show_what_the_slow_request_allocated_and_kept(run: LocalRun) -> None:
     """The exact profiler's memory pushes, through local mode: the slow request's allocated and
     in-use flame graphs hold its allocating function, in bytes; other requests' do not; its
-    route's comparison ranks that function first by extra bytes per breaching request."""
+    route's comparison ranks that function among the first by extra bytes per breaching
+    request."""
     from spanprof._profiling._samplers._memory import memory_unavailable_reason
 
     reason = memory_unavailable_reason()
@@ -384,8 +385,11 @@ def test_memory_flame_graphs_show_what_the_slow_request_allocated_and_kept(run: 
         assert function_value(fast["root"], HOARD) == 0
     route = alloc["span"]["name"]
     compared = get_json(f"{run.ui}/api/compare?kind=alloc_space&route={route}")
-    assert compared["functions"][0]["function"] == HOARD, compared["functions"][:3]
-    assert compared["functions"][0]["extra"] > 0.5 * truth
+    assert compared["unit"] == "bytes"
+    # Ranked among the first (the CPU burn allocates too: every int it counts past 256).
+    top = {row["function"]: row for row in compared["functions"][:3]}
+    assert HOARD in top, compared["functions"][:3]
+    assert top[HOARD]["extra"] > 0.5 * truth, top[HOARD]
 
 
 @pytest.mark.e2e
