@@ -19,8 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind
 
 from spanprof._labels._labelset import EMPTY, LabelSet
-from spanprof._local import LocalMode
-from spanprof._local._memory import MemoryStore
+from spanprof._local import LocalMode, MemoryStore
 from spanprof._local._receiver import ReceivedPush
 from spanprof._profiling._encoders._memory import (
     MEMORY_PERIOD_TYPE,

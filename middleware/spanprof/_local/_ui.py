@@ -49,10 +49,10 @@ from ._stacks import flame_tree
 __all__ = ["UiServer"]
 
 _SPAN_ID = re.compile(r"[0-9a-f]{16}\Z")
-#: The ``kind`` values of the flame-graph APIs (the first is the default) and their units.
-PROFILE_KINDS = ("cpu", *MEMORY_KINDS)
-_UNITS = {"cpu": "nanoseconds", **MEMORY_UNITS}
 _TRACE_ID = re.compile(r"[0-9a-f]{32}\Z")
+# The ``kind`` values of the flame-graph APIs (the first is the default) and their units.
+_KINDS = ("cpu", *MEMORY_KINDS)
+_UNITS = {"cpu": "nanoseconds", **MEMORY_UNITS}
 _CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
@@ -405,8 +405,8 @@ class UiServer:
         span_id = query.get("span_id", "")
         if not _SPAN_ID.match(span_id):
             return _ok({"error": "span_id: expected 16 lowercase hex digits"}, 400)
-        kind = query.get("kind", PROFILE_KINDS[0])
-        if kind not in PROFILE_KINDS:
+        kind = query.get("kind", _KINDS[0])
+        if kind not in _KINDS:
             return _bad_kind(kind)
         record = self.spans.span(span_id)
         memory = self.samples.memory
@@ -465,8 +465,8 @@ class UiServer:
         return 200, data, "application/octet-stream", headers
 
     def _compare(self, query: dict[str, str]) -> _ApiResult:
-        kind = query.get("kind", PROFILE_KINDS[0])
-        if kind not in PROFILE_KINDS:
+        kind = query.get("kind", _KINDS[0])
+        if kind not in _KINDS:
             return _bad_kind(kind)
         route = query.get("route")
         if route is None:
@@ -532,7 +532,7 @@ class UiServer:
 
 
 def _bad_kind(kind: str) -> _ApiResult:
-    expected = ", ".join(PROFILE_KINDS)
+    expected = ", ".join(_KINDS)
     return _ok({"error": f"kind: expected one of {expected}, got {kind[:100]!r}"}, 400)
 
 
