@@ -1,4 +1,5 @@
-"""End to end in headless Chromium: open the local page, click a breach, see its flame graph.
+"""End to end in headless Chromium: open the local page, click a breach, see its flame graph,
+switch it to allocated and in-use memory, and switch the route comparison to memory.
 
 Needs Debian's ``chromium`` (``.ci/run`` installs it) and Playwright for Python, which drives
 that browser: ``playwright install`` is never run. The screenshot lands in
@@ -8,8 +9,10 @@ that browser: ``playwright install`` is never run. The screenshot lands in
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -19,7 +22,7 @@ from spanprof._profiling._samplers._signal import MAX_DEPTH
 from .conftest import require
 from .e2e.server import ROOT
 from .test_local_hostile import DEEP_REQUEST, spanprof_dev
-from .test_local_mode import SLOW, local_run, marker_name, markers_in, settle
+from .test_local_mode import HOARD, SLOW, local_run, marker_name, markers_in, settle
 
 pytestmark = pytest.mark.e2e
 
@@ -70,6 +73,9 @@ def test_clicking_a_breach_renders_that_requests_flame_graph(tmp_path: Path) -> 
             waterfall.wait_for(timeout=TIMEOUT_MS)
             title = page.inner_text("#detail-title")
             pprof_href = page.get_attribute("#pprof-link", "href")
+            cpu_tip = page.text_content(f'#flamegraph g.frame[name="{marker}"] title')
+            memory = {kind: _switch_to(page, kind) for kind in ("alloc_space", "inuse_space")}
+            compared = _compare_memory(page)
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(SCREENSHOT), full_page=True)
         finally:
@@ -79,7 +85,46 @@ def test_clicking_a_breach_renders_that_requests_flame_graph(tmp_path: Path) -> 
     assert markers_in(set(names)) == {marker}
     assert title == slow["span_name"]
     assert pprof_href == f"/api/pprof?span_id={slow['span_id']}"
+    assert cpu_tip is not None
+    assert " ms CPU, " in cpu_tip
+    for kind, verb in (("alloc_space", "allocated"), ("inuse_space", "in use")):
+        frames, tip, status = memory[kind]
+        assert HOARD in frames, (kind, frames)
+        # Memory reads in bytes: "12.3 MB allocated, 97.0%" (kB when small).
+        assert re.search(rf"\n[0-9.]+ [kM]B {verb}, [0-9.]+%$", tip), (kind, tip)
+        assert re.search(rf"^[0-9.]+ [kM]B {verb} in [0-9]+ distinct stacks", status), status
+        assert markers_in(set(frames)) <= {marker}
+    metric, functions = compared
+    assert metric == "extra allocated memory per breaching request"
+    # The CPU burn allocates too (ints past 256): which of the two comes first is chance.
+    assert HOARD in functions, functions
     assert SCREENSHOT.stat().st_size > 10_000
+
+
+def _switch_to(page: Any, kind: str) -> tuple[list[str], str, str]:
+    """Press the span flame graph's ``kind`` button; its frames, the allocator's tooltip and
+    the status line once the memory flame graph is drawn."""
+    page.click(f'#flamegraph-kind button[data-kind="{kind}"]')
+    label = page.locator(f'#flamegraph[data-kind="{kind}"] .d3-flame-graph-label', has_text=HOARD)
+    label.first.wait_for(state="visible", timeout=TIMEOUT_MS)
+    names = page.eval_on_selector_all(
+        "#flamegraph g.frame", "frames => frames.map(f => f.getAttribute('name'))"
+    )
+    tip = page.text_content(f'#flamegraph g.frame[name="{HOARD}"] title') or ""
+    return names, tip, page.inner_text("#flamegraph-status")
+
+
+def _compare_memory(page: Any) -> tuple[str, list[str]]:
+    """Switch the route comparison to allocations; its metric header and its functions."""
+    page.click('#compare-kind button[data-kind="alloc_space"]')
+    page.locator('#compare-flamegraph[data-kind="alloc_space"] g.frame').first.wait_for(
+        state="attached", timeout=TIMEOUT_MS
+    )
+    page.locator("#compare-functions tbody tr td").first.wait_for(timeout=TIMEOUT_MS)
+    functions = page.eval_on_selector_all(
+        "#compare-functions tbody tr td:first-child", "cells => cells.map(c => c.textContent)"
+    )
+    return page.inner_text("#compare-metric"), functions
 
 
 def test_a_900_frame_request_renders_its_flame_graph_down_to_the_leaf(tmp_path: Path) -> None:

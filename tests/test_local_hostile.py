@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from spanprof import ProfilingMiddleware, current_labels
+from spanprof._profiling._encoders._memory import MEMORY_PERIOD_TYPE, MEMORY_SAMPLE_TYPES
 from spanprof._profiling._encoders._pprof import ProfileBuilder
 from spanprof._profiling._encoders._push import PUSH_CONTENT_TYPE, PUSH_PATH, encode_push_request
 from spanprof._profiling._samplers._signal import MAX_DEPTH
@@ -117,16 +118,25 @@ def _gzip_bomb(inflated_mib: int) -> bytes:
     return gzip.compress(bytes(MIB), compresslevel=9) * inflated_mib
 
 
-def _deep_push(span_ids: list[str], depth: int) -> bytes:
-    """One gzip'd push whose samples, one per span id, are each ``depth`` frames deep."""
-    builder = ProfileBuilder(period=10_000_000)
+def _deep_push(
+    span_ids: list[str], depth: int, *, memory: bool = False, service: str = "attacker"
+) -> bytes:
+    """One gzip'd push whose samples, one per span id, are each ``depth`` frames deep (a
+    memory series of ``service``, allocated and in use, when ``memory``)."""
+    builder = (
+        ProfileBuilder(MEMORY_SAMPLE_TYPES, MEMORY_PERIOD_TYPE, 524288)
+        if memory
+        else ProfileBuilder(period=10_000_000)
+    )
     frames = [Frame(f"level_{i}", "deep.py", i) for i in range(3)]
     for n, span_id in enumerate(span_ids):
         stack = [Frame(f"attack_leaf_{n}", "deep.py", 1)]
         stack += (frames[i % 3] for i in range(depth - 2))
         stack.append(Frame("attack_root", "deep.py", 2))
-        builder.add(stack, 10_000_000, [("span_id", span_id)])
-    series = [([("__name__", "process_cpu"), ("service_name", "attacker")], [builder.build()])]
+        value: int | tuple[int, ...] = (10, 10_000_000, 10, 10_000_000) if memory else 10_000_000
+        builder.add(stack, value, [("span_id", span_id)])
+    name = "memory" if memory else "process_cpu"
+    series = [([("__name__", name), ("service_name", service)], [builder.build()])]
     return gzip.compress(encode_push_request(series))
 
 
@@ -253,6 +263,22 @@ def test_local_mode_survives_every_attack_within_its_memory_budget(tmp_path: Pat
         assert path[-1] == "attack_leaf_0"
         assert len(path) <= 2048
         assert any(name.endswith("frames elided]") for name in path)
+
+        # 4b. The same as memory pushes, each of a new series (a snapshot of its own).
+        for i in range(0, len(deep_spans), 2):
+            push = _deep_push(deep_spans[i : i + 2], 50_000, memory=True, service=f"attacker{i}")
+            assert len(push) < 200_000
+            assert _post(push_url, push, {**proto, "Content-Encoding": "gzip"}).status_code == 200
+        _still_serving(app, ui)
+        memory = get_json(f"{ui}/api/status")["memory"]
+        assert memory["kept_bytes"] <= 16 * MIB, memory
+        assert memory["inuse_snapshots"] <= 16, memory
+        for kind in ("alloc_space", "inuse_space"):
+            url = f"{ui}/api/flamegraph?span_id={deep_spans[-1]}&kind={kind}"
+            path = _leaf_to_root(_deep_json(url)["root"])
+            assert (path[0], path[-1]) == ("attack_root", "attack_leaf_1")  # 2nd of its push
+            assert len(path) <= 2048
+            assert any(name.endswith("frames elided]") for name in path)
 
         # 5. 50,000 requests with 2 KB URLs in five client-chosen traces.
         started = time.monotonic()

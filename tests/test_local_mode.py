@@ -70,6 +70,23 @@ SLOW_CPU = 0.6
 FAST = (1, 2, 3, 4, 5, 6)
 FAST_CPU = 0.02
 STEP = 0.01
+# The slow request also allocates this much (in HOARD_BLOCK blocks) and keeps a quarter of it.
+ALLOC_MB = 32
+HOARD_BLOCK = 4000
+KEEP_EVERY = 4
+HOARD = "hoard_request_memory"
+# What the slow request keeps: in use for the life of the subprocess, at every upload.
+_KEPT: list[bytes] = []
+
+
+def hoard_request_memory(megabytes: int) -> int:
+    """Allocate ``megabytes`` in small blocks, keeping one in ``KEEP_EVERY`` (the in-use part)."""
+    blocks = megabytes * 1_000_000 // HOARD_BLOCK
+    for n in range(blocks):
+        block = bytes(HOARD_BLOCK)
+        if n % KEEP_EVERY == 0:
+            _KEPT.append(block)
+    return blocks
 
 
 # -- the app the subprocess serves ------------------------------------------------------------
@@ -83,6 +100,9 @@ async def _work(request: Request) -> Response:
         marker(STEP)
         spent += STEP
         await asyncio.sleep(0)
+    megabytes = int(request.query_params.get("alloc_mb", "0"))
+    if megabytes:  # last: the fast requests beside it are done by then, not held up
+        hoard_request_memory(megabytes)
     return JSONResponse(dict(current_labels()))
 
 
@@ -153,13 +173,20 @@ def running_local_mode(tmp: Path, spec: str, *extra: str) -> Iterator[tuple[str,
     assert "Traceback" not in text, text
 
 
-def fire(app: str, requests: dict[int, float]) -> dict[int, dict[str, str]]:
-    """Send ``index -> CPU seconds`` requests at once; return each request's labels."""
+def fire(
+    app: str, requests: dict[int, float], alloc_mb: dict[int, int] | None = None
+) -> dict[int, dict[str, str]]:
+    """Send ``index -> CPU seconds`` requests at once (request ``i`` also allocating
+    ``alloc_mb[i]`` MB); return each request's labels."""
+    alloc = alloc_mb or {}
+
+    def params(i: int, seconds: float) -> dict[str, float | int]:
+        return {"seconds": seconds, **({"alloc_mb": alloc[i]} if i in alloc else {})}
 
     async def send() -> dict[int, dict[str, str]]:
         async with httpx.AsyncClient(base_url=app, timeout=60) as client:
             responses = await asyncio.gather(
-                *(client.get(f"/work/{i}", params={"seconds": s}) for i, s in requests.items())
+                *(client.get(f"/work/{i}", params=params(i, s)) for i, s in requests.items())
             )
         for response in responses:
             response.raise_for_status()
@@ -182,9 +209,10 @@ def settle(ui: str, uploads: int = 2, timeout: float = 20.0) -> dict[str, Any]:
 
 @contextmanager
 def local_run(tmp: Path) -> Iterator[LocalRun]:
-    """The ASGI test app in local mode, after one slow and six fast requests settled."""
+    """The ASGI test app in local mode, after one slow (allocating ``ALLOC_MB``) and six fast
+    requests settled."""
     with running_local_mode(tmp, "tests.test_local_mode:make_app") as (app, ui):
-        labels = fire(app, {SLOW: SLOW_CPU, **dict.fromkeys(FAST, FAST_CPU)})
+        labels = fire(app, {SLOW: SLOW_CPU, **dict.fromkeys(FAST, FAST_CPU)}, {SLOW: ALLOC_MB})
         settle(ui)
         yield LocalRun(app, ui, labels)
 
@@ -301,6 +329,67 @@ def test_flamegraph_of_a_span_holds_only_its_own_samples(run: LocalRun) -> None:
     assert sum(child["value"] for child in root["children"]) == sum(
         s.value for s in samples if s.stack
     )
+
+
+def function_value(node: dict[str, Any], name: str) -> int:
+    """The value under frames of function ``name`` in a d3-flame-graph tree (outermost ones)."""
+    total = 0
+    stack = list(node["children"])
+    while stack:
+        child = stack.pop()
+        if child["name"] == name:
+            total += int(child["value"])
+        else:
+            stack.extend(child["children"])
+    return total
+
+
+def memory_flamegraph(ui: str, span_id: str, kind: str, timeout: float = 20.0) -> dict[str, Any]:
+    """``span_id``'s ``kind`` flame graph once it has samples (allocations wait for the
+    request's SLO verdict, one upload or two), or as it is at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        body: dict[str, Any] = get_json(f"{ui}/api/flamegraph?span_id={span_id}&kind={kind}")
+        if body["total"] > 0 or time.monotonic() > deadline:
+            return body
+        time.sleep(0.3)
+
+
+@pytest.mark.e2e
+def test_memory_flame_graphs_show_what_the_slow_request_allocated_and_kept(run: LocalRun) -> None:
+    """The exact profiler's memory pushes, through local mode: the slow request's allocated and
+    in-use flame graphs hold its allocating function, in bytes; other requests' do not; its
+    route's comparison ranks that function among the first by extra bytes per breaching
+    request."""
+    from spanprof._profiling._samplers._memory import memory_unavailable_reason
+
+    reason = memory_unavailable_reason()
+    require(reason is None, reason or "")
+    span_id = run.labels[SLOW]["span_id"]
+    truth = ALLOC_MB * 1_000_000 // HOARD_BLOCK * sys.getsizeof(bytes(HOARD_BLOCK))
+    alloc = memory_flamegraph(run.ui, span_id, "alloc_space")
+    assert (alloc["kind"], alloc["unit"]) == ("alloc_space", "bytes")
+    # One sample per 512 kB on average: ~64 samples of a 32 MB truth, within +-50%. (The CPU
+    # burn allocates too: every int it counts past 256 is a new object.)
+    hoarded = function_value(alloc["root"], HOARD)
+    assert 0.5 * truth <= hoarded <= 1.5 * truth, (hoarded, truth, alloc["total"])
+    assert alloc["alloc_bytes"] == alloc["total"]
+    inuse = memory_flamegraph(run.ui, span_id, "inuse_space")
+    # A quarter kept (16 samples on average): well below what was allocated, well above zero.
+    kept = function_value(inuse["root"], HOARD)
+    assert 0.05 * truth <= kept <= 0.6 * truth, (kept, truth, inuse["total"])
+    for index in FAST:
+        fast = get_json(
+            f"{run.ui}/api/flamegraph?span_id={run.labels[index]['span_id']}&kind=alloc_space"
+        )
+        assert function_value(fast["root"], HOARD) == 0
+    route = alloc["span"]["name"]
+    compared = get_json(f"{run.ui}/api/compare?kind=alloc_space&route={route}")
+    assert compared["unit"] == "bytes"
+    # Ranked among the first (the CPU burn allocates too: every int it counts past 256).
+    top = {row["function"]: row for row in compared["functions"][:3]}
+    assert HOARD in top, compared["functions"][:3]
+    assert top[HOARD]["extra"] > 0.5 * truth, top[HOARD]
 
 
 @pytest.mark.e2e

@@ -7,6 +7,7 @@ is the supported interface.
 from __future__ import annotations
 
 from ._cli import main
+from ._memory import MemoryStore
 from ._mode import LocalMode, detect_interface, import_app
 from ._samples import SampleStore, SpanProfile
 from ._slo import SloPolicy
@@ -15,6 +16,7 @@ from ._ui import UiServer
 
 __all__ = [
     "LocalMode",
+    "MemoryStore",
     "SampleStore",
     "SloPolicy",
     "SpanProfile",

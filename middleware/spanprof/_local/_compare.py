@@ -7,6 +7,10 @@ each frame coloured by how much more it costs them than a good request) and the 
 ranked by extra self CPU per request, in microseconds, with the number of requests behind each
 side (from the span store, so requests too short to be sampled count too).
 
+The same comparison serves memory (``unit="bytes"`` or ``"count"``: what each side's requests
+allocated), and ``compare_sides`` compares sides built elsewhere (the in-use snapshot, whose
+samples carry no ``slo`` label and are sided by the span store's verdicts).
+
 Bounded like the rest of local mode: at most ``max_routes`` routes, and an estimate of the bytes
 its stacks hold; past it a side's new stacks are folded into one ``[truncated]`` stack.
 """
@@ -18,7 +22,7 @@ from typing import Any
 
 from .._profiling._window import Frame
 
-__all__ = ["SIDES", "SloComparison"]
+__all__ = ["SIDES", "SloComparison", "compare_sides"]
 
 #: The two values of the ``slo`` label, breaching side first.
 SIDES = ("breached", "ok")
@@ -33,10 +37,18 @@ class SloComparison:
     Arguments:
         max_routes: routes (``span_name`` values) kept; later ones are not compared.
         max_bytes: estimated bytes of the stacks kept over all routes.
+        unit: what the samples' values are (``nanoseconds`` of CPU, allocated ``bytes``...).
     """
 
-    def __init__(self, *, max_routes: int = 64, max_bytes: int = 16 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        *,
+        max_routes: int = 64,
+        max_bytes: int = 16 * 1024 * 1024,
+        unit: str = "nanoseconds",
+    ) -> None:
         self._lock = threading.Lock()
+        self.unit = unit
         self._sides: dict[str, dict[str, dict[tuple[Frame, ...], int]]] = {}
         self.max_routes = max_routes
         self.max_bytes = max_bytes
@@ -70,7 +82,7 @@ class SloComparison:
             return sorted(self._sides)
 
     def sampled_ns(self, route: str) -> dict[str, int]:
-        """CPU nanoseconds of ``route``'s samples per side."""
+        """The sum of ``route``'s samples per side (CPU nanoseconds, or ``unit``)."""
         with self._lock:
             sides = self._sides.get(route, {})
             return {side: sum(sides.get(side, {}).values()) for side in SIDES}
@@ -80,41 +92,66 @@ class SloComparison:
     ) -> dict[str, Any] | None:
         """``route``'s breach-vs-ok comparison, per request of each side (``requests``).
 
-        ``None`` when the route has no labelled samples. Functions are ranked by extra self
-        CPU per breaching request; a side without requests counts as zero per request.
+        ``None`` when the route has no labelled samples. See ``compare_sides``.
         """
         with self._lock:
             sides = self._sides.get(route)
             if sides is None:
                 return None
             copies = {side: dict(stacks) for side, stacks in sides.items()}
-        per = {side: (1.0 / requests[side] if requests.get(side) else 0.0) for side in SIDES}
-        self_ns: dict[tuple[str, str], list[float]] = {}
-        for index, side in enumerate(SIDES):
-            for stack, value in copies[side].items():
-                if not stack:
-                    continue
-                leaf = stack[0]
-                cell = self_ns.setdefault((leaf.function, leaf.filename), [0.0, 0.0])
-                cell[index] += value * per[side]
-        ranked = sorted(self_ns.items(), key=lambda item: (-(item[1][0] - item[1][1]), item[0][0]))
-        functions = [
-            {
-                "function": function,
-                "file": filename,
-                "breached_us": cell[0] / 1e3,
-                "ok_us": cell[1] / 1e3,
-                "extra_us": (cell[0] - cell[1]) / 1e3,
-            }
-            for (function, filename), cell in ranked[:limit]
-        ]
-        return {
-            "route": route,
-            "requests": {side: requests.get(side, 0) for side in SIDES},
-            "sampled_ns": {side: sum(copies[side].values()) for side in SIDES},
-            "functions": functions,
-            "flamegraph": _differential(route, copies, per),
+        return compare_sides(route, copies, requests, unit=self.unit, limit=limit)
+
+
+def compare_sides(
+    route: str,
+    sides: dict[str, dict[tuple[Frame, ...], int]],
+    requests: dict[str, int],
+    *,
+    unit: str = "nanoseconds",
+    limit: int = 50,
+) -> dict[str, Any]:
+    """``route``'s breaching side against its ok side (``sides``), per request (``requests``).
+
+    Functions are ranked by extra self value per breaching request (``breached``, ``ok`` and
+    ``extra`` in ``unit``; CPU also in microseconds, ``breached_us``...); a side without
+    requests counts as zero per request.
+    """
+    per = {side: (1.0 / requests[side] if requests.get(side) else 0.0) for side in SIDES}
+    self_values: dict[tuple[str, str], list[float]] = {}
+    for index, side in enumerate(SIDES):
+        for stack, value in sides.get(side, {}).items():
+            if not stack:
+                continue
+            leaf = stack[0]
+            cell = self_values.setdefault((leaf.function, leaf.filename), [0.0, 0.0])
+            cell[index] += value * per[side]
+    ranked = sorted(self_values.items(), key=lambda item: (-(item[1][0] - item[1][1]), item[0][0]))
+    cpu = unit == "nanoseconds"
+    functions = []
+    for (function, filename), (breached, ok) in ranked[:limit]:
+        row: dict[str, Any] = {
+            "function": function,
+            "file": filename,
+            "breached": breached,
+            "ok": ok,
+            "extra": breached - ok,
         }
+        if cpu:  # what the page and its users read first, before memory came
+            row.update(breached_us=breached / 1e3, ok_us=ok / 1e3, extra_us=(breached - ok) / 1e3)
+        functions.append(row)
+    copies = {side: sides.get(side, {}) for side in SIDES}
+    sampled = {side: sum(copies[side].values()) for side in SIDES}
+    result: dict[str, Any] = {
+        "route": route,
+        "unit": unit,
+        "requests": {side: requests.get(side, 0) for side in SIDES},
+        "sampled": sampled,
+    }
+    if cpu:
+        result["sampled_ns"] = sampled
+    result["functions"] = functions
+    result["flamegraph"] = _differential(route, copies, per)
+    return result
 
 
 def _differential(
@@ -122,8 +159,8 @@ def _differential(
 ) -> dict[str, Any]:
     """A d3-flame-graph tree of the breaching side per request, ``delta`` against the ok side.
 
-    ``value`` is a breaching request's average CPU (ns) in the frame; ``delta`` that minus a
-    good request's, which d3-flame-graph's differential mode colours (red: slower when
+    ``value`` is a breaching request's average (CPU ns, bytes...) in the frame; ``delta`` that
+    minus a good request's, which d3-flame-graph's differential mode colours (red: more when
     breaching).
     """
     root = _node(route, "")

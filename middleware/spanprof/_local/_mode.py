@@ -1,10 +1,11 @@
 """``LocalMode``: an app, its profiles, its spans and a page about them, in one process.
 
 The pieces: a ``PushReceiver`` on loopback that the app's profiler uploads to every second, a
-``SampleStore`` that splits those uploads by span id, a ``SpanStore`` span processor on the
-app's tracer provider, and a ``UiServer`` for the page. ``LocalMode`` wires them, points the
-profiler at the receiver through the ``PYROSCOPE_*`` environment (before the app's middleware
-reads it), and serves the app with uvicorn (ASGI) or a threaded ``wsgiref`` server (WSGI).
+``SampleStore`` that splits those uploads by span id (the memory ones in its ``MemoryStore``),
+a ``SpanStore`` span processor on the app's tracer provider, and a ``UiServer`` for the page.
+``LocalMode`` wires them, points the profiler at the receiver through the ``PYROSCOPE_*``
+environment (before the app's middleware reads it), and serves the app with uvicorn (ASGI) or
+a threaded ``wsgiref`` server (WSGI).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from .._profiling._runtime import stop_started
 from ._compare import SloComparison
+from ._memory import MemoryStore
 from ._receiver import PushReceiver, ReceivedPush
 from ._samples import SampleStore
 from ._slo import SloPolicy, policy_env, policy_from
@@ -45,6 +47,10 @@ _MAX_PUSH_BYTES = 2 * 1024 * 1024
 _MAX_INFLATED_PUSH_BYTES = 2 * 1024 * 1024
 _MAX_SAMPLE_BYTES = 24 * 1024 * 1024
 _MAX_SPAN_BYTES = 16 * 1024 * 1024
+# Memory profiles: each span's allocations and each process's in-use snapshot, plus two route
+# comparisons (allocated bytes, objects) of their own.
+_MAX_MEMORY_BYTES = 16 * 1024 * 1024
+_MAX_MEMORY_COMPARISON_BYTES = 4 * 1024 * 1024
 
 
 def import_app(spec: str, *, factory: bool = False, app_dir: str | None = ".") -> Any:
@@ -132,7 +138,13 @@ class LocalMode:
         )
         self.spans = SpanStore(self.policy, max_bytes=_MAX_SPAN_BYTES)
         self.comparison = SloComparison()
-        self.samples = SampleStore(max_bytes=_MAX_SAMPLE_BYTES, comparison=self.comparison)
+        self.samples = SampleStore(
+            max_bytes=_MAX_SAMPLE_BYTES,
+            comparison=self.comparison,
+            memory=MemoryStore(
+                max_bytes=_MAX_MEMORY_BYTES, comparison_bytes=_MAX_MEMORY_COMPARISON_BYTES
+            ),
+        )
         self.receiver = PushReceiver(
             on_push=self._on_push,
             max_body_bytes=_MAX_PUSH_BYTES,

@@ -2,11 +2,12 @@
 
 Every upload of the profiler is split by the ``span_id`` label of its samples. A span's flame
 graph and pprof are built only from the samples labelled with that span id; samples without a
-span id (startup, background work, the server's own loop) are counted but not kept.
+span id (startup, background work, the server's own loop) are counted but not kept. Memory
+series are handed to a ``MemoryStore`` (``_memory``), which keeps them by span id its own way.
 
 Anything on the machine can push here, so what is kept is bounded by bytes, not only by counts:
 stacks deeper than ``max_depth`` keep their leaf and root ends around a marker frame, names are
-cut at ``_MAX_NAME`` characters, frames are shared between stacks, and the oldest span ids go
+cut at ``MAX_NAME`` characters, frames are shared between stacks, and the oldest span ids go
 first once the estimate passes ``max_bytes``.
 """
 
@@ -21,22 +22,18 @@ from typing import Any
 from .._profiling._encoders._pprof import ProfileBuilder
 from .._profiling._window import Frame
 from ._compare import SloComparison
+from ._memory import MemoryStore
 from ._receiver import ReceivedPush
+from ._stacks import MAX_NAME, TRUNCATED, FramePool, flame_tree, stack_cost
 
 __all__ = ["SampleStore", "SpanProfile"]
 
 _CPU_TYPE = ("cpu", "nanoseconds")
-_ALLOC_TYPE = ("alloc_space", "bytes")
 _DEFAULT_PERIOD_NS = 10_000_000
-# Longer than any real function, file or span name; an upload's strings can be megabytes.
-_MAX_NAME = 1024
+_MAX_NAME = MAX_NAME
 # A span id is 16 hex digits; anything much longer is not one of ours.
 _MAX_ID = 64
 _MAX_SERVICES = 64
-_TRUNCATED = (Frame("[truncated]", "", 0),)
-# CPython sizes, rounded up: what one more kept thing costs (tuple or dict slot, objects).
-_STACK_OVERHEAD = 160
-_FRAME_OVERHEAD = 300
 _SPAN_OVERHEAD = 1000
 
 
@@ -63,41 +60,6 @@ class _Totals:
     services: set[str] = field(default_factory=set)
 
 
-def _node(name: str, filename: str) -> dict[str, Any]:
-    return {"name": name, "file": filename, "value": 0, "children": {}}
-
-
-def _finish(root: dict[str, Any]) -> dict[str, Any]:
-    # Iterative: a stack is as deep as the interpreter lets a program recurse, far deeper than
-    # this function could recurse over it.
-    todo = [root]
-    while todo:
-        node = todo.pop()
-        children = sorted(node["children"].values(), key=lambda c: (-c["value"], c["name"]))
-        node["children"] = children
-        todo.extend(children)
-    return root
-
-
-def _frame_cost(frame: Frame) -> int:
-    return _FRAME_OVERHEAD + len(frame.function) + len(frame.filename)
-
-
-def _stack_cost(stack: tuple[Frame, ...]) -> int:
-    return _STACK_OVERHEAD + 8 * len(stack)
-
-
-def _cut(stack: tuple[Frame, ...], max_depth: int) -> tuple[Frame, ...]:
-    """``stack`` (leaf first) with its middle replaced by a marker when deeper than allowed."""
-    if len(stack) <= max_depth:
-        return stack
-    keep = max_depth - 1
-    leaf, root = keep - keep // 2, keep // 2
-    elided = len(stack) - leaf - root
-    marker = Frame(f"[{elided} frames elided]", "", 0)
-    return (*stack[:leaf], marker, *stack[len(stack) - root :])
-
-
 class SampleStore:
     """Keeps the samples of the most recent span ids, fed by ``PushReceiver(on_push=...)``.
 
@@ -112,6 +74,8 @@ class SampleStore:
             span ids are dropped (counted as ``evicted_spans`` in ``status()``).
         comparison: also fed every request sample with its ``span_name`` and ``slo`` labels
             (the breach-vs-ok comparison per route), with its own bound.
+        memory: where the memory series go (default: a ``MemoryStore`` with its defaults and
+            this store's ``max_depth``).
     """
 
     def __init__(
@@ -122,30 +86,25 @@ class SampleStore:
         max_depth: int = 2048,
         max_bytes: int = 64 * 1024 * 1024,
         comparison: SloComparison | None = None,
+        memory: MemoryStore | None = None,
     ) -> None:
-        if max_depth < 3:
-            raise ValueError(
-                f"max_depth: expected at least 3 (leaf, marker, root), got {max_depth}"
-            )
         self._lock = threading.Lock()
         self._comparison = comparison
         self._spans: OrderedDict[str, SpanProfile] = OrderedDict()
         self._max_spans = max_spans
         self._max_stacks = max_stacks_per_span
-        self._max_depth = max_depth
         self._max_bytes = max_bytes
         self._period_ns = _DEFAULT_PERIOD_NS
         self._totals = _Totals()
         # Every kept stack refers to these frames, so the frames of a thousand uploads of the
-        # same code are stored once. Dropped spans leave theirs here until _compact_frames.
-        self._frames: dict[Frame, Frame] = {}
-        self._frame_bytes = 0
+        # same code are stored once. Dropped spans leave theirs here until _enforce_bytes.
+        self._frames = FramePool(max_depth)
         # Estimated bytes per span id (stacks and names), and their sum.
         self._span_bytes: dict[str, int] = {}
         self._stack_bytes = 0
         self._evicted = 0
-        # span id -> bytes allocated (estimates from the memory profiles), newest last.
-        self._allocated: OrderedDict[str, int] = OrderedDict()
+        #: The memory samples (allocated and in use, per span and route).
+        self.memory = memory if memory is not None else MemoryStore(max_depth=max_depth)
 
     def ingest(self, push: ReceivedPush) -> None:
         """Split one accepted push by span id (the receiver's ``on_push`` callback)."""
@@ -153,10 +112,7 @@ class SampleStore:
             self._totals.pushes += 1
             for series in push.series:
                 name = series.label("__name__")
-                if name == "memory":
-                    self._add_memory(series.profiles)
-                    continue
-                if name not in (None, "process_cpu"):
+                if name not in (None, "process_cpu"):  # memory: see MemoryStore
                     continue
                 service = (series.label("service_name") or "")[:_MAX_NAME]
                 services = self._totals.services
@@ -170,33 +126,11 @@ class SampleStore:
                     for sample in profile.samples:
                         self._add(sample.stack, sample.value, sample.labels, service, push)
             self._enforce_bytes()
-
-    def _add_memory(self, profiles: Any) -> None:
-        # Memory profiles are not drawn: the page shows what each span allocated, in bytes.
-        for profile in profiles:
-            if _ALLOC_TYPE not in profile.sample_types:
-                continue
-            index = profile.sample_types.index(_ALLOC_TYPE)
-            for sample in profile.samples:
-                value = sample.values[index] if index < len(sample.values) else 0
-                if value <= 0:
-                    continue
-                for key, span_id in sample.labels:
-                    if key == "span_id" and len(span_id) <= _MAX_ID:
-                        allocated = self._allocated
-                        if span_id in allocated:
-                            allocated[span_id] += value
-                            allocated.move_to_end(span_id)
-                        else:
-                            allocated[span_id] = value
-                            if len(allocated) > self._max_spans:
-                                allocated.popitem(last=False)
-                        break
+        self.memory.ingest(push)
 
     def allocated_bytes(self, span_id: str) -> int:
         """Bytes ``span_id`` allocated, from the memory profiles received (0 when none)."""
-        with self._lock:
-            return self._allocated.get(span_id, 0)
+        return self.memory.allocated_bytes(span_id)
 
     def _add(
         self,
@@ -215,7 +149,7 @@ class SampleStore:
         if len(set(span_ids)) > 1:
             totals.double_labelled_ns += value
         label_map = dict(labels)
-        kept = self._keep(stack)
+        kept = self._frames.keep(stack)
         comparison = self._comparison
         span_name = label_map.get("span_name")
         if comparison is not None and span_name:
@@ -244,28 +178,11 @@ class SampleStore:
                 stacks[kept] = previous + value
             elif len(stacks) < self._max_stacks:
                 stacks[kept] = value
-                self._charge(span_id, _stack_cost(kept))
+                self._charge(span_id, stack_cost(kept))
             else:
-                if _TRUNCATED not in stacks:
-                    self._charge(span_id, _stack_cost(_TRUNCATED))
-                stacks[_TRUNCATED] = stacks.get(_TRUNCATED, 0) + value
-
-    def _keep(self, stack: tuple[Frame, ...]) -> tuple[Frame, ...]:
-        """``stack`` cut to ``max_depth``, its names to ``_MAX_NAME``, its frames shared."""
-        frames = self._frames
-        out = []
-        for frame in _cut(stack, self._max_depth):
-            shared = frames.get(frame)
-            if shared is None:
-                if len(frame.function) > _MAX_NAME or len(frame.filename) > _MAX_NAME:
-                    frame = Frame(
-                        frame.function[:_MAX_NAME], frame.filename[:_MAX_NAME], frame.line
-                    )
-                shared = frames.setdefault(frame, frame)
-                if shared is frame:
-                    self._frame_bytes += _frame_cost(frame)
-            out.append(shared)
-        return tuple(out)
+                if TRUNCATED not in stacks:
+                    self._charge(span_id, stack_cost(TRUNCATED))
+                stacks[TRUNCATED] = stacks.get(TRUNCATED, 0) + value
 
     def _charge(self, span_id: str, cost: int) -> None:
         self._span_bytes[span_id] = self._span_bytes.get(span_id, 0) + cost
@@ -282,28 +199,20 @@ class SampleStore:
         The slack makes the frame compaction (a walk over everything kept) happen once per
         quarter of the budget of new data, not on every upload of a full store.
         """
-        if self._stack_bytes + self._frame_bytes <= self._max_bytes:
+        if self._stack_bytes + self._frames.bytes <= self._max_bytes:
             return
         target = self._max_bytes * 3 // 4
         while True:
             # Frames of dropped spans stay counted until compacted: compact, then re-check.
             self._compact_frames()
-            if not self._spans or self._stack_bytes + self._frame_bytes <= target:
+            if not self._spans or self._stack_bytes + self._frames.bytes <= target:
                 return
-            while self._spans and self._stack_bytes + self._frame_bytes > target:
+            while self._spans and self._stack_bytes + self._frames.bytes > target:
                 self._evict_oldest()
 
     def _compact_frames(self) -> None:
         """Forget the shared frames no kept stack refers to any more."""
-        # Kept frames are already shared, so identity finds them without hashing each one
-        # (a Frame's hash is computed in Python, field by field).
-        by_id: dict[int, Frame] = {}
-        for profile in self._spans.values():
-            for stack in profile.stacks:
-                for frame in stack:
-                    by_id[id(frame)] = frame
-        self._frames = {frame: frame for frame in by_id.values()}
-        self._frame_bytes = sum(_frame_cost(f) for f in self._frames)
+        self._frames.compact(stack for profile in self._spans.values() for stack in profile.stacks)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -341,7 +250,7 @@ class SampleStore:
                 "double_labelled_ns": totals.double_labelled_ns,
                 "spans_with_samples": len(self._spans),
                 "evicted_spans": self._evicted,
-                "kept_bytes": self._stack_bytes + self._frame_bytes,
+                "kept_bytes": self._stack_bytes + self._frames.bytes,
                 "services": sorted(totals.services),
                 "period_ns": self._period_ns,
             }
@@ -353,21 +262,9 @@ class SampleStore:
         yet gets a root with value 0 and no children.
         """
         profile = self.span(span_id)
-        root = _node(f"span {span_id}", "")
         if profile is None:
-            return _finish(root)
-        root["name"] = profile.span_name or root["name"]
-        for stack, value in profile.stacks.items():
-            root["value"] += value
-            node = root
-            for frame in reversed(stack):  # root first
-                key = (frame.function, frame.filename)
-                child = node["children"].get(key)
-                if child is None:
-                    child = node["children"][key] = _node(frame.function, frame.filename)
-                child["value"] += value
-                node = child
-        return _finish(root)
+            return flame_tree(f"span {span_id}", ())
+        return flame_tree(profile.span_name or f"span {span_id}", profile.stacks.items())
 
     def pprof(self, span_id: str) -> bytes | None:
         """A gzip-compressed pprof of the span's samples, labelled like the originals."""

@@ -10,12 +10,17 @@ Routes (all ``GET``):
 - ``/api/status``: counters (spans, requests, breaches, profile uploads, SLO settings);
 - ``/api/breaches``: recent SLO breaches, newest first;
 - ``/api/latency?since=UNIX``: server-span latencies over time, breaches flagged;
-- ``/api/flamegraph?span_id=ID``: a d3-flame-graph tree of the samples labelled ``ID``;
+- ``/api/flamegraph?span_id=ID&kind=KIND``: a d3-flame-graph tree of the samples labelled
+  ``ID``: ``kind`` is ``cpu`` (the default, nanoseconds), ``alloc_space`` (bytes allocated),
+  ``alloc_objects`` (objects allocated), ``inuse_space`` or ``inuse_objects`` (in use at the
+  latest upload); anything else is answered 400;
 - ``/api/trace?trace_id=ID``: the spans of a trace, by start time;
 - ``/api/pprof?span_id=ID``: the same samples as a gzip-compressed pprof download;
-- ``/api/compare``: the routes with ``slo``-labelled samples, each side's requests and CPU;
-- ``/api/compare?route=NAME``: that route's breaching requests against its good ones, per
-  request: functions ranked by extra self CPU, and a differential flame graph.
+- ``/api/compare?kind=KIND``: the routes with ``slo``-labelled samples of that kind (``cpu``
+  by default), each side's requests and samples;
+- ``/api/compare?route=NAME&kind=KIND``: that route's breaching requests against its good
+  ones, per request: functions ranked by extra self CPU (or bytes, objects), and a
+  differential flame graph. In-use memory is sided by the span store's verdicts.
 """
 
 from __future__ import annotations
@@ -34,15 +39,20 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from .._logging import log_once
-from ._compare import SloComparison
+from ._compare import SloComparison, compare_sides
+from ._memory import MEMORY_KINDS, MEMORY_UNITS
 from ._samples import SampleStore
 from ._slo import describe
 from ._spans import SpanRecord, SpanStore
+from ._stacks import flame_tree
 
 __all__ = ["UiServer"]
 
 _SPAN_ID = re.compile(r"[0-9a-f]{16}\Z")
 _TRACE_ID = re.compile(r"[0-9a-f]{32}\Z")
+# The ``kind`` values of the flame-graph APIs (the first is the default) and their units.
+_KINDS = ("cpu", *MEMORY_KINDS)
+_UNITS = {"cpu": "nanoseconds", **MEMORY_UNITS}
 _CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
@@ -209,6 +219,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 _ApiResult = tuple[int, bytes, str, dict[str, str]]
+# More than the span store keeps: every kept request's verdict, for the in-use comparison.
+_MAX_VERDICTS = 1_000_000
 _NUMBERS = ("delta", "ok_value")
 
 
@@ -356,6 +368,7 @@ class UiServer:
             "kept": self.spans.counters(),
             "slo": describe(self.spans.policy),
             "profiles": self.samples.status(),
+            "memory": self.samples.memory.status(),
         }
         if self._extra_status is not None:
             payload.update(self._extra_status())
@@ -392,23 +405,43 @@ class UiServer:
         span_id = query.get("span_id", "")
         if not _SPAN_ID.match(span_id):
             return _ok({"error": "span_id: expected 16 lowercase hex digits"}, 400)
-        root = self.samples.flamegraph(span_id)
-        profile = self.samples.span(span_id)
+        kind = query.get("kind", _KINDS[0])
+        if kind not in _KINDS:
+            return _bad_kind(kind)
         record = self.spans.span(span_id)
+        memory = self.samples.memory
+        if kind == "cpu":
+            root = self.samples.flamegraph(span_id)
+            profile = self.samples.span(span_id)
+            stacks = len(profile.stacks) if profile is not None else 0
+        else:
+            rows = memory.stacks(span_id, kind)
+            name = record.name if record is not None else f"span {span_id}"
+            root, stacks = flame_tree(name, rows.items()), len(rows)
         head = json.dumps(
             {
                 "span_id": span_id,
+                "kind": kind,
+                "unit": _UNITS[kind],
                 "now": time.time(),
-                "total_ns": root["value"],
-                "stacks": len(profile.stacks) if profile is not None else 0,
+                "total": root["value"],
+                # CPU nanoseconds whatever the kind: the page tells "no samples yet" by them.
+                "total_ns": self.samples.sample_total(span_id),
+                "stacks": stacks,
                 "period_ns": self.samples.status()["period_ns"],
                 "span": record.to_json() if record is not None else None,
                 "alloc_bytes": self.samples.allocated_bytes(span_id),
+                "inuse_at": memory.inuse_at() if kind.startswith("inuse_") else None,
             }
         )
         # The tree is as deep as the deepest stack: it goes in through _tree_json.
         body = f'{head[:-1]}, "root": {_tree_json(root)}}}'
         return 200, body.encode(), "application/json", {}
+
+    def _verdicts(self) -> Callable[[str], bool | None]:
+        """Whether a kept request (by span id) breached its SLO; ``None`` when not kept."""
+        verdicts = {r.span_id: r.breached for r in self.spans.requests(limit=_MAX_VERDICTS)}
+        return verdicts.get
 
     def _trace(self, query: dict[str, str]) -> _ApiResult:
         trace_id = query.get("trace_id", "")
@@ -432,31 +465,18 @@ class UiServer:
         return 200, data, "application/octet-stream", headers
 
     def _compare(self, query: dict[str, str]) -> _ApiResult:
-        comparison = self.comparison
+        kind = query.get("kind", _KINDS[0])
+        if kind not in _KINDS:
+            return _bad_kind(kind)
         route = query.get("route")
         if route is None:
-            routes = [] if comparison is None else comparison.routes()
-            return _ok(
-                {
-                    "routes": [
-                        {
-                            "route": name,
-                            "requests": self.spans.verdicts(name),
-                            "sampled_ns": comparison.sampled_ns(name),
-                        }
-                        for name in routes
-                        if comparison is not None
-                    ]
-                }
-            )
-        limit = _int(query.get("limit"), 50, 1, 500)
-        result = (
-            None
-            if comparison is None
-            else comparison.compare(route, self.spans.verdicts(route), limit=limit)
-        )
+            return _ok({"kind": kind, "unit": _UNITS[kind], "routes": self._routes(kind)})
+        result = self._compared(route, kind, _int(query.get("limit"), 50, 1, 500))
         if result is None:
-            return _ok({"error": f"no slo-labelled samples for route {route[:200]!r} (yet)"}, 404)
+            return _ok(
+                {"error": f"no slo-labelled {kind} samples for route {route[:200]!r} (yet)"}, 404
+            )
+        result["kind"] = kind
         tree = result.pop("flamegraph")
         head = json.dumps(result)
         # The tree is as deep as the deepest stack: it goes in through _tree_json.
@@ -466,6 +486,54 @@ class UiServer:
             "application/json",
             {},
         )
+
+    def _comparison(self, kind: str) -> SloComparison | None:
+        """The comparison that sums ``kind`` per route side (in-use memory has none)."""
+        if kind == "cpu":
+            return self.comparison
+        if kind.startswith("alloc_"):
+            return self.samples.memory.comparison(kind)
+        return None
+
+    def _routes(self, kind: str) -> list[dict[str, Any]]:
+        """The routes with ``kind`` samples on a side: each side's requests and samples."""
+        memory = self.samples.memory
+        out = []
+        if kind.startswith("inuse_"):
+            verdict = self._verdicts()
+            for name in memory.inuse_routes():
+                sides = memory.inuse_sides(name, kind, verdict) or {}
+                sampled = {side: sum(stacks.values()) for side, stacks in sides.items()}
+                out.append(
+                    {"route": name, "requests": self.spans.verdicts(name), "sampled": sampled}
+                )
+            return out
+        comparison = self._comparison(kind)
+        if comparison is None:
+            return out
+        for name in comparison.routes():
+            sampled = comparison.sampled_ns(name)
+            item = {"route": name, "requests": self.spans.verdicts(name), "sampled": sampled}
+            if kind == "cpu":
+                item["sampled_ns"] = sampled  # its name before memory came
+            out.append(item)
+        return out
+
+    def _compared(self, route: str, kind: str, limit: int) -> dict[str, Any] | None:
+        """``route``'s breach-vs-ok comparison of ``kind``; ``None`` without samples."""
+        requests = self.spans.verdicts(route)
+        if kind.startswith("inuse_"):
+            sides = self.samples.memory.inuse_sides(route, kind, self._verdicts())
+            if sides is None:
+                return None
+            return compare_sides(route, sides, requests, unit=_UNITS[kind], limit=limit)
+        comparison = self._comparison(kind)
+        return None if comparison is None else comparison.compare(route, requests, limit=limit)
+
+
+def _bad_kind(kind: str) -> _ApiResult:
+    expected = ", ".join(_KINDS)
+    return _ok({"error": f"kind: expected one of {expected}, got {kind[:100]!r}"}, 400)
 
 
 def _int(raw: str | None, default: int, low: int, high: int) -> int:

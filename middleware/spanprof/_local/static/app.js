@@ -1,4 +1,5 @@
-// spanprof local mode: SLO breaches -> that request's flame graph, trace and pprof.
+// spanprof local mode: SLO breaches -> that request's flame graph (CPU, allocated or in-use
+// memory), trace and pprof; per route, breaching requests against the others.
 // Plain browser JavaScript on top of the vendored d3 and d3-flame-graph; no build step.
 "use strict";
 
@@ -9,12 +10,21 @@
   const PROFILE_RETRIES = 20; // uploads arrive every second; give a slow machine time
   const SETTLED_S = 4; // seconds after a span's end when no more samples will come
 
+  // What each kind of the switches draws, and how its values read (the API's units).
+  const KINDS = {
+    cpu: { what: "CPU", unit: "nanoseconds", verb: "CPU" },
+    alloc_space: { what: "allocated memory", unit: "bytes", verb: "allocated" },
+    inuse_space: { what: "memory in use", unit: "bytes", verb: "in use" },
+  };
+
   const state = {
     selected: null, // {span_id, trace_id}
     breaches: [],
     profileTimer: null,
-    flamegraphFor: null,
+    flamegraphFor: null, // "span id/kind" drawn, and its total: redraw only when either changes
     flamegraphTotal: 0,
+    kind: "cpu", // the span flame graph's
+    compareKind: "cpu", // the route comparison's
   };
 
   function $(id) {
@@ -36,6 +46,37 @@
 
   function mb(bytes) {
     return bytes >= 1e6 ? (bytes / 1e6).toFixed(1) + " MB" : (bytes / 1e3).toFixed(0) + " kB";
+  }
+
+  // Bytes in the unit that reads best; memory values are estimates, so no false precision.
+  function size(bytes) {
+    const abs = Math.abs(bytes);
+    if (abs >= 1e9) return (bytes / 1e9).toFixed(2) + " GB";
+    if (abs >= 1e6) return (bytes / 1e6).toFixed(1) + " MB";
+    if (abs >= 1e3) return (bytes / 1e3).toFixed(1) + " kB";
+    return Math.round(bytes) + " B";
+  }
+
+  // A value of the API's unit: nanoseconds of CPU, bytes, or a count of objects.
+  function amount(value, unit) {
+    if (unit === "nanoseconds") return ms(value / 1e9);
+    if (unit === "bytes") return size(value);
+    return Math.round(value) + " objects";
+  }
+
+  function signed(value, unit) {
+    return (value > 0 ? "+" : "") + amount(value, unit);
+  }
+
+  // The switches: one button per kind, the pressed one is the kind shown.
+  function setupSwitch(id, onChange) {
+    const group = $(id);
+    group.querySelectorAll("button").forEach((button) => {
+      button.addEventListener("click", () => {
+        group.querySelectorAll("button").forEach((b) => b.setAttribute("aria-pressed", String(b === button)));
+        onChange(button.dataset.kind);
+      });
+    });
   }
 
   function clock(unixSeconds) {
@@ -223,23 +264,27 @@
 
   async function showFlamegraph(spanId, attempt) {
     clearTimeout(state.profileTimer);
+    const kind = state.kind;
     const link = $("pprof-link");
     link.href = "/api/pprof?span_id=" + spanId;
     link.setAttribute("download", "spanprof-" + spanId + ".pb.gz");
     $("flamegraph-scope").textContent = "only samples labelled span_id=" + spanId;
     let data;
     try {
-      data = await getJSON("/api/flamegraph?span_id=" + spanId);
+      data = await getJSON("/api/flamegraph?span_id=" + spanId + "&kind=" + kind);
     } catch (err) {
       $("flamegraph-status").textContent = String(err);
       return;
     }
-    if (!state.selected || state.selected.span_id !== spanId) return; // another one was picked
+    // Another span or kind was picked meanwhile.
+    if (!state.selected || state.selected.span_id !== spanId || state.kind !== kind) return;
     renderMeta(data.span, spanId, state.selected.trace_id, data.alloc_bytes);
-    if (data.total_ns === 0) {
-      link.classList.add("disabled");
+    // The pprof download is the span's CPU samples, whichever kind is drawn.
+    link.classList.toggle("disabled", data.total_ns === 0);
+    if (data.total === 0) {
       const chart = $("flamegraph");
       chart.textContent = "";
+      chart.dataset.kind = kind;
       state.flamegraphFor = null;
       // Uploads come every second: a span that ended a few seconds ago has all it will get.
       const ended = data.span ? data.span.start + data.span.duration_s : null;
@@ -247,31 +292,44 @@
       if (!settled && attempt < PROFILE_RETRIES) {
         $("flamegraph-status").textContent = "Waiting for the profiler's next upload (every second)…";
         state.profileTimer = setTimeout(() => showFlamegraph(spanId, attempt + 1), PROFILE_RETRY_MS);
-      } else {
+      } else if (kind === "cpu") {
         $("flamegraph-status").textContent =
           "No CPU samples carry this span id: the request spent its time waiting (I/O, locks, " +
           "another service) or used less than a sampling period of CPU. The trace below shows " +
           "where the time went; click a span marked ▲ for its own flame graph.";
+      } else if (kind === "inuse_space") {
+        $("flamegraph-status").textContent =
+          "None of this span's sampled allocations was still in use at the last upload " +
+          "(or the profiler sends no memory profiles: SPANPROF_MEMORY).";
+      } else {
+        $("flamegraph-status").textContent =
+          "No allocation samples carry this span id: it allocated less than the sampling " +
+          "interval (one sample per ~512 kB on average), or the profiler sends no memory " +
+          "profiles (SPANPROF_MEMORY).";
       }
       return;
     }
-    link.classList.remove("disabled");
-    if (state.flamegraphFor === spanId && state.flamegraphTotal === data.total_ns) return;
-    state.flamegraphTotal = data.total_ns;
-    $("flamegraph-status").textContent =
-      ms(data.total_ns / 1e9) + " of CPU in " + data.stacks + " distinct stacks (" +
-      Math.round(data.total_ns / data.period_ns) + " samples)";
-    renderFlamegraph(data.root, spanId);
+    const key = spanId + "/" + kind;
+    if (state.flamegraphFor === key && state.flamegraphTotal === data.total) return;
+    state.flamegraphTotal = data.total;
+    const unit = data.unit;
+    let status = amount(data.total, unit) + " " + KINDS[kind].verb + " in " + data.stacks + " distinct stacks";
+    if (kind === "cpu") status += " (" + Math.round(data.total / data.period_ns) + " samples)";
+    if (kind === "inuse_space" && data.inuse_at) status += ", at the upload of " + clock(data.inuse_at);
+    $("flamegraph-status").textContent = status;
+    renderFlamegraph(data.root, spanId, kind, unit);
+    state.flamegraphFor = key;
     // Late uploads (the last second of the request) can still add samples: refresh once.
     if (attempt < 2) {
       state.profileTimer = setTimeout(() => showFlamegraph(spanId, PROFILE_RETRIES), 2 * PROFILE_RETRY_MS);
     }
   }
 
-  function renderFlamegraph(root, spanId) {
+  function renderFlamegraph(root, spanId, kind, unit) {
     const container = $("flamegraph");
     container.textContent = "";
     const total = root.value;
+    const verb = KINDS[kind].verb;
     const chart = flamegraph.default()
       .width(Math.max(container.clientWidth, 300))
       .cellHeight(17)
@@ -281,10 +339,10 @@
       .title("")
       .selfValue(false)
       .label((d) => d.data.name + (d.data.file ? "  " + d.data.file : "") + "\n" +
-        ms(d.value / 1e9) + " CPU, " + (100 * d.value / total).toFixed(1) + "%");
+        amount(d.value, unit) + " " + verb + ", " + (100 * d.value / total).toFixed(1) + "%");
     d3.select(container).datum(root).call(chart);
     container.dataset.spanId = spanId;
-    state.flamegraphFor = spanId;
+    container.dataset.kind = kind;
   }
 
   async function showTrace(traceId, spanId) {
@@ -372,7 +430,18 @@
   function renderCompareRoutes(listing) {
     const select = $("compare-route");
     const routes = listing.routes.map((r) => r.route);
-    $("compare-empty").hidden = routes.length > 0;
+    const empty = $("compare-empty");
+    empty.hidden = routes.length > 0;
+    if (!routes.length) {
+      empty.textContent = state.compareKind === "cpu"
+        ? "No samples labelled slo=breached or slo=ok yet (the exact profiler labels them when each request ends)."
+        : state.compareKind === "inuse_space"
+          ? "No memory in use from a request yet (the exact profiler's memory profiles, SPANPROF_MEMORY)."
+          : "No allocations labelled slo=breached or slo=ok yet (the exact profiler's memory profiles, SPANPROF_MEMORY).";
+      $("compare-counts").textContent = "";
+      $("compare-functions").querySelector("tbody").textContent = "";
+      $("compare-flamegraph").textContent = "";
+    }
     const current = Array.from(select.options).map((o) => o.value);
     if (current.join("\n") !== routes.join("\n")) {
       const chosen = select.value;
@@ -385,31 +454,41 @@
 
   async function showCompare(route) {
     if (!route) return;
+    const kind = state.compareKind;
     let data;
     try {
-      data = await getJSON("/api/compare?route=" + encodeURIComponent(route));
+      data = await getJSON("/api/compare?route=" + encodeURIComponent(route) + "&kind=" + kind);
     } catch (err) {
       $("compare-counts").textContent = String(err);
       return;
     }
+    if (state.compareKind !== kind) return; // switched meanwhile
+    const unit = data.unit;
+    const what = KINDS[kind].what;
     $("compare-counts").textContent =
       data.requests.breached + " breaching requests · " + data.requests.ok + " within SLO";
+    $("compare-metric").textContent = kind === "cpu"
+      ? "extra self CPU per breaching request"
+      : "extra " + what + " per breaching request";
+    $("compare-legend").textContent =
+      "a breaching request's average; red: more " + what + " than a request within its SLO, blue: less";
     const body = $("compare-functions").querySelector("tbody");
     body.textContent = "";
     for (const f of data.functions.slice(0, 15)) {
-      body.appendChild(el("tr", { class: f.extra_us > 0 ? "worse" : "" }, [
+      body.appendChild(el("tr", { class: f.extra > 0 ? "worse" : "" }, [
         el("td", { text: f.function, title: f.file }),
-        el("td", { text: (f.extra_us > 0 ? "+" : "") + us(f.extra_us) }),
-        el("td", { text: us(f.breached_us) }),
-        el("td", { text: us(f.ok_us) }),
+        el("td", { text: signed(f.extra, unit) }),
+        el("td", { text: amount(f.breached, unit) }),
+        el("td", { text: amount(f.ok, unit) }),
       ]));
     }
-    renderDifferential(data.flamegraph);
+    renderDifferential(data.flamegraph, kind, unit);
   }
 
-  function renderDifferential(root) {
+  function renderDifferential(root, kind, unit) {
     const container = $("compare-flamegraph");
     container.textContent = "";
+    container.dataset.kind = kind;
     if (!root.value) return;
     const chart = flamegraph.default()
       .width(Math.max(container.clientWidth, 300))
@@ -421,12 +500,19 @@
       .setColorMapper(flamegraph.colorMapper.differentialColorMapper)
       .selfValue(false)
       .label((d) => d.data.name + (d.data.file ? "  " + d.data.file : "") + "\n" +
-        us(d.data.value / 1e3) + " per breaching request, " + us(d.data.ok_value / 1e3) +
-        " within SLO (" + (d.data.delta >= 0 ? "+" : "") + us(d.data.delta / 1e3) + ")");
+        amount(d.data.value, unit) + " per breaching request, " + amount(d.data.ok_value, unit) +
+        " within SLO (" + signed(d.data.delta, unit) + ")");
     d3.select(container).datum(root).call(chart);
   }
 
   // -- polling --------------------------------------------------------------------------------
+
+  async function refreshCompare() {
+    const kind = state.compareKind;
+    const listing = await getJSON("/api/compare?kind=" + kind);
+    if (state.compareKind !== kind) return; // switched meanwhile
+    await showCompare(renderCompareRoutes(listing));
+  }
 
   async function refresh() {
     try {
@@ -439,8 +525,7 @@
       renderStatus(status);
       renderBreaches(breaches.breaches);
       renderLatency(latency);
-      const route = renderCompareRoutes(await getJSON("/api/compare"));
-      await showCompare(route);
+      await refreshCompare();
     } catch (err) {
       $("status").textContent = "cannot reach the local mode server: " + err;
     }
@@ -456,6 +541,14 @@
   }
 
   $("compare-route").addEventListener("change", (event) => showCompare(event.target.value));
+  setupSwitch("flamegraph-kind", (kind) => {
+    state.kind = kind;
+    if (state.selected) showFlamegraph(state.selected.span_id, 0);
+  });
+  setupSwitch("compare-kind", (kind) => {
+    state.compareKind = kind;
+    refreshCompare().catch((err) => { $("compare-counts").textContent = String(err); });
+  });
   refresh().then(fromHash);
   setInterval(refresh, REFRESH_MS);
 })();
