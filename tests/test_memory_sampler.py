@@ -512,3 +512,42 @@ def test_a_sample_taken_inside_contextvar_reset_leaves_its_cache_alone() -> None
     with sampling(sample_bytes=1, max_samples=1_000_000) as sampler:
         wrong = contextvars.Context().run(body, sampler)
     assert wrong == []
+
+
+def spin_labelled(seconds: float) -> None:
+    """CPU without allocating: a sample here can only come from something else's allocation."""
+    end = time.thread_time() + seconds
+    n = 0
+    while time.thread_time() < end:
+        n += 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU sampler needs Linux")
+def test_the_cpu_samplers_own_allocations_are_nobodys() -> None:
+    """The SIGPROF handler runs in the interrupted request's context: what it allocates (its
+    stack walk, its window) must not be sampled as that request's memory."""
+    from spanprof._profiling._samplers._signal import Sampler
+
+    labels = LabelSet({"span_id": "c" * 16})
+    with sampling(sample_bytes=64, max_samples=1_000_000) as memory:
+        cpu = Sampler(sample_rate=250)
+        cpu.start()
+        try:
+            token = LABELS.set(labels)
+            try:
+                spin_labelled(0.3)
+            finally:
+                LABELS.reset(token)
+        finally:
+            cpu.stop()
+        window = memory.take_window()
+        ticks = cpu.ticks
+    assert ticks >= 10
+    handler_files = {
+        frame.filename
+        for (sid, key_labels) in window.values
+        if key_labels == labels
+        for frame in window.stack(sid)
+        if frame.filename.endswith("_signal.py")
+    }
+    assert handler_files == set()

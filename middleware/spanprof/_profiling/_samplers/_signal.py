@@ -70,6 +70,14 @@ from ..._labels._native import cproxy
 from .._window import StackTables, Window
 from ._timer import CLOCK_MONOTONIC, CLOCK_PROCESS_CPUTIME_ID, ThreadTimer
 
+try:
+    from ._alloc import ignore_thread as _ignore_allocations
+except ImportError:  # built without a compiler: no allocation sampling to keep out of
+
+    def _ignore_allocations(ignore: bool, /) -> bool:
+        return False
+
+
 _c_current_frames_gc_off: Callable[[], dict[int, FrameType]] | None = (
     None if cproxy is None else cproxy.current_frames_gc_off
 )
@@ -744,6 +752,9 @@ class Sampler:
                 self.reentered += 1
             return
         self._busy = True
+        # The handler runs in the interrupted request's context: what it allocates is the
+        # sampler's own work, and must not land in that request's memory profile.
+        ignoring = _ignore_allocations(True)
         if self._quiet_wakeup:
             self._quiet_wakeup = False
             _quiet_wakeup_fd()
@@ -784,6 +795,7 @@ class Sampler:
             self._stall_count += 1
             if stall > self._stall_max:
                 self._stall_max = stall
+            _ignore_allocations(ignoring)
 
     def _tick(self, frame: FrameType | None, cpu_now: int) -> None:
         self.ticks += 1
