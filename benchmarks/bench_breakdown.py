@@ -19,10 +19,12 @@ import sys
 import time
 from typing import Any, Protocol
 
+from spanprof._local._receiver import PushReceiver
+
 from ._child import receiver_child_arguments, run_receiver_child
 from ._report import Section, Spread, markdown_table, paired_ratios
 
-__all__ = ["main", "run"]
+__all__ = ["VARIANTS", "drive_part", "main", "run"]
 
 VARIANTS = (
     ("off", "no profiler"),
@@ -40,7 +42,11 @@ class _Part(Protocol):
     def stop(self) -> None: ...
 
 
-def _parts(receiver: str) -> dict[str, _Part | None]:
+def _parts(
+    receiver: str, *, upload_interval: int = 1, sample_rate: int = 100
+) -> dict[str, _Part | None]:
+    """Each variant's part, by name (``None``: no profiler); the exact profiler's ticks at
+    ``sample_rate`` per second, its uploads every ``upload_interval`` seconds."""
     from spanprof._labels._engine import install_label_engine, uninstall_label_engine
     from spanprof._labels._labelset import LabelSet
     from spanprof._profiling._exact import ExactBackend
@@ -83,8 +89,8 @@ def _parts(receiver: str) -> dict[str, _Part | None]:
     class Runtime:
         def __init__(self, **options: Any) -> None:
             backend = ExactBackend(
-                server_address=receiver, application_name="bench-breakdown", upload_interval=1,
-                **options,
+                server_address=receiver, application_name="bench-breakdown",
+                upload_interval=upload_interval, sample_rate=sample_rate, **options,
             )  # fmt: skip
             self.runtime = ProfilerRuntime(backend)
 
@@ -103,6 +109,40 @@ def _parts(receiver: str) -> dict[str, _Part | None]:
         "exact_nomem": Runtime(memory=False),
         "exact": Runtime(),
     }
+
+
+def drive_part(part_name: str, count: int) -> None:
+    """Serve ``count`` requests in-process with one part started (no ticks, no uploads): what
+    ``bench_instructions`` counts under callgrind, where CPU-timed ticks would come 50x as
+    often per request."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    import spanprof
+
+    from .bench_request import SCOPE, _discard, _receive, _starlette
+
+    app = spanprof.ProfilingMiddleware(
+        _starlette(), profiler=None, tracer_provider=TracerProvider(), environ={}
+    )
+
+    async def drive(n: int) -> None:
+        for _ in range(n):
+            await app(dict(SCOPE), _receive, _discard)
+
+    with PushReceiver() as receiver:
+        # The sampler's 1 Hz variant: its hooks and timer, without ticks worth counting.
+        name = "sampler_1hz" if part_name == "sampler" else part_name
+        part = _parts(receiver.url, upload_interval=3600, sample_rate=1)[name]
+        loop = asyncio.new_event_loop()
+        if part is not None:
+            part.start()
+        try:
+            loop.run_until_complete(drive(200))  # warm-up: caches, first-request work
+            loop.run_until_complete(drive(count))
+        finally:
+            if part is not None:
+                part.stop()
+            loop.close()
 
 
 def _child(argv: list[str]) -> None:

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from ._report import Section, Verdict, markdown_table
+from .bench_breakdown import VARIANTS, drive_part
 from .bench_engine import TASKS
 
 __all__ = ["main", "run"]
@@ -43,6 +44,8 @@ ABLATIONS = {
     "labels": "building the label set (hex span and trace ids, merge over enclosing labels)",
 }
 REQUEST_COUNTS = (500, 1500)
+# The exact profiler's parts, alone (bench_breakdown's variants, without their 100 Hz ticks).
+EXACT_PARTS = ["off", "engine", "sampler", "memory", "exact_nomem", "exact"]
 # (loop, labels mode, backend): "recorder" pushes every switch; "context" reads the main
 # thread's labels from the running context itself, as ExactBackend does when sampling exactly.
 ENGINE_CASES = [
@@ -166,6 +169,12 @@ def run(quick: bool) -> Section:
                 for loop, mode, backend in ENGINE_CASES
             }
         )
+        jobs.update(
+            {
+                ("exact", part): _per_unit(pool, ["exact", part], REQUEST_COUNTS)
+                for part in EXACT_PARTS
+            }
+        )
         per: dict[tuple[str, str], float] = {}
         for key, (small, large, (n_small, n_large)) in jobs.items():
             # Engine cases count steps per task; TASKS tasks take them.
@@ -223,6 +232,27 @@ def run(quick: bool) -> Section:
             engine_rows,
         ),
     ]
+    off = per[("exact", "off")]
+    descriptions = dict(VARIANTS)
+    descriptions["sampler"] = "SIGPROF sampler alone, its ticks left out"
+    exact_rows = [
+        [
+            descriptions[part],
+            f"{per[('exact', part)]:,.0f}",
+            "—" if part == "off" else f"{per[('exact', part)] - off:+,.0f}",
+            "—" if part == "off" else f"{per[('exact', part)] / off - 1:+.1%}",
+        ]
+        for part in EXACT_PARTS
+    ]
+    section.body += [
+        "The exact profiler's parts, alone (the breakdown section's variants on its app), with "
+        "the profiler's ticks at 1 Hz and no upload, so that only what each request pays "
+        "itself is counted; the ticks' cost is the breakdown section's 100 Hz row minus its "
+        "1 Hz row.",
+        markdown_table(
+            ["variant", "instructions/request", "over no profiler", "share"], exact_rows
+        ),
+    ]
     for variant, letter in (("spanprof", "e"), ("spanprof_recorder", "f")):
         value = per[("request", variant)]
         section.verdicts.append(
@@ -238,15 +268,18 @@ def run(quick: bool) -> Section:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Child mode: ``request VARIANT COUNT`` or ``engine LOOP MODE STEPS``."""
+    """Child mode: ``request VARIANT COUNT``, ``engine LOOP MODE STEPS`` or ``exact PART N``."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["request"] and len(args) == 3:
         _child_request(args[1], int(args[2]))
     elif args[:1] == ["engine"] and len(args) == 5:
         _child_engine(args[1], args[2], args[3], int(args[4]))
+    elif args[:1] == ["exact"] and len(args) == 3:
+        drive_part(args[1], int(args[2]))
     else:
         raise SystemExit(
-            "usage: bench_instructions request VARIANT N | engine LOOP MODE BACKEND STEPS"
+            "usage: bench_instructions request VARIANT N | engine LOOP MODE BACKEND STEPS | "
+            "exact PART N"
         )
 
 

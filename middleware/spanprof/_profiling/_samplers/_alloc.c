@@ -166,6 +166,8 @@ static int table_bits;
 static uint64_t *filter;
 static uint32_t max_tracked;
 static uint32_t ntracked;
+/* Addresses removed since the filter was last rebuilt: their bits may still be set. */
+static uint32_t nstale;
 
 static uint64_t next_id = 1;
 
@@ -272,6 +274,7 @@ static void
 filter_rebuild(void)
 {
     uint64_t i;
+    nstale = 0;
     memset(filter, 0, sizeof(uint64_t) << (FILTER_BITS - 6));
     for (i = 0; i <= table_mask; i++) {
         if (table[i].ptr != 0) {
@@ -339,6 +342,7 @@ table_remove(uintptr_t ptr, uint64_t *id)
     table[i].ptr = 0;
     table[i].id = 0;
     ntracked--;
+    nstale++;
     return 1;
 }
 
@@ -782,6 +786,7 @@ free_state(void)
     table_mask = 0;
     table_bits = 0;
     ntracked = 0;
+    nstale = 0;
     current = NULL;
     Py_CLEAR(labels_var);
     span_clear();
@@ -1143,7 +1148,11 @@ alloc_drain(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
      * another thread until it lets go, and nothing below runs one on this thread's behalf. */
     retired = current;
     current = retired == &buffers[0] ? &buffers[1] : &buffers[0];
-    filter_rebuild();
+    /* A stale bit costs one probe per free that hashes to it; scanning the whole table
+     * costs about one instruction per slot: rebuild once the stale bits are worth it. */
+    if (nstale > 4096 || nstale > ntracked) {
+        filter_rebuild();
+    }
     if (spans != NULL) {
         span_sweep();
     }
