@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import math
 import shutil
 import sys
 import time
@@ -107,7 +108,11 @@ def test_every_request_sample_carries_its_requests_slo_verdict(tmp_path: Path) -
         assert cpu * 1e9 <= by_span.get(span_id, 0) + 1
     sampled = sum(verdicts[s]["cpu_time_s"] for s in slow)
     measured = sum(r["base"] + r["extra"] for i, r in results.items() if i % 4 == 0)
-    assert 0.8 <= sampled / measured <= 1.2, (sampled, measured)
+    # About measured x 250 Hz ticks land on the slow requests: their sum is within 4 sigma of
+    # the truth (or 20%, the longer the run), plus the requests' own work outside the markers.
+    ticks = measured * 250
+    tolerance = max(0.2, 4 / math.sqrt(ticks))
+    assert 1 - tolerance <= sampled / measured <= 1 + tolerance, (sampled, measured, ticks)
 
 
 def _compare(ui: str) -> dict[str, Any]:
