@@ -25,7 +25,8 @@ unit: $(BIN)/.installed
 	$(BIN)/pytest -q -p no:cacheprovider
 
 # The label engine leans on CPython internals that move between versions: run its tests on every
-# CPython >= 3.10 that pyenv (or PATH) offers, each in its own virtualenv.
+# CPython >= 3.10 that pyenv, PATH or the chroot offers, each in its own virtualenv, and the
+# whole suite on 3.14 and 3.15 (docs/testing.md).
 test-matrix: $(BIN)/.installed
 	$(BIN)/python tools/test_matrix.py
 

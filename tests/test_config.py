@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -55,6 +56,7 @@ def test_bad_environment_names_the_variable(environ: dict[str, str], setting: st
         ProfilingMiddleware(_app, environ=environ)
 
 
+@pytest.mark.needs_agent
 def test_environment_configures_the_pyroscope_backend() -> None:
     """The Pyroscope agents' variables map onto the backend, OTEL_SERVICE_NAME as fallback."""
     backend = PyroscopeBackend.from_env(AGENT_ENV)
@@ -90,7 +92,7 @@ def test_profiler_must_be_a_backend() -> None:
 
 
 def test_spanprof_profiler_selects_the_backend() -> None:
-    """auto (default) and exact pick ExactBackend, pyroscope the agent; anything else errs."""
+    """auto (default) and exact pick ExactBackend; anything else but pyroscope errs."""
     from spanprof import ExactBackend
 
     base = {"PYROSCOPE_SERVER_ADDRESS": "http://p:4040"}
@@ -102,12 +104,19 @@ def test_spanprof_profiler_selects_the_backend() -> None:
     assert default.auto
     auto = ProfilingMiddleware(_app, environ={**base, "SPANPROF_PROFILER": " AUTO "}).profiler
     assert auto is default  # one exact backend per configuration and process
-    agent = ProfilingMiddleware(_app, environ={**base, "SPANPROF_PROFILER": "pyroscope"}).profiler
-    assert isinstance(agent, PyroscopeBackend)
     with pytest.raises(ValueError, match="SPANPROF_PROFILER"):
         ProfilingMiddleware(_app, environ={**base, "SPANPROF_PROFILER": "perf"})
 
 
+@pytest.mark.needs_agent
+def test_spanprof_profiler_pyroscope_selects_the_agent() -> None:
+    """SPANPROF_PROFILER=pyroscope picks the pyroscope-io backend."""
+    base = {"PYROSCOPE_SERVER_ADDRESS": "http://p:4040", "SPANPROF_PROFILER": "pyroscope"}
+    agent = ProfilingMiddleware(_app, environ=base).profiler
+    assert isinstance(agent, PyroscopeBackend)
+
+
+@pytest.mark.needs_agent
 def test_startup_says_which_profiler_runs(caplog: pytest.LogCaptureFixture) -> None:
     """The agent, asked for directly, gets one INFO line saying so, and how to get exact."""
     import logging
@@ -196,20 +205,31 @@ def test_an_address_error_never_shows_the_password() -> None:
     assert "alice:***@" in str(info.value)
 
 
-def test_reprs_never_show_the_password() -> None:
+_SECRET_ARGUMENTS: dict[str, Any] = {
+    "server_address": "http://p:4040",
+    "application_name": "a",
+    "basic_auth_username": "u",
+    "basic_auth_password": "hunter2",
+}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: PyroscopeSettings(**_SECRET_ARGUMENTS), id="settings"),
+        pytest.param(lambda: ExactBackend(**_SECRET_ARGUMENTS), id="exact"),
+        pytest.param(
+            lambda: PyroscopeBackend(
+                **_SECRET_ARGUMENTS, extra_options={"http_headers": {"X-Token": "hunter3"}}
+            ),
+            id="pyroscope",
+            marks=pytest.mark.needs_agent,
+        ),
+    ],
+)
+def test_reprs_never_show_the_password(make: Callable[[], object]) -> None:
     """repr() of the settings and of both backends shows '***' for the password."""
-    arguments: dict[str, Any] = {
-        "server_address": "http://p:4040",
-        "application_name": "a",
-        "basic_auth_username": "u",
-        "basic_auth_password": "hunter2",
-    }
-    for thing in (
-        PyroscopeSettings(**arguments),
-        ExactBackend(**arguments),
-        PyroscopeBackend(**arguments, extra_options={"http_headers": {"X-Token": "hunter3"}}),
-    ):
-        text = repr(thing)
-        assert "hunter" not in text, text
-        assert "basic_auth_password='***'" in text, text
-        assert "server_address='http://p:4040'" in text, text
+    text = repr(make())
+    assert "hunter" not in text, text
+    assert "basic_auth_password='***'" in text, text
+    assert "server_address='http://p:4040'" in text, text

@@ -26,7 +26,9 @@ async def _fire(base: str, count: int) -> list[int]:
         return list(await asyncio.gather(*(one(i) for i in range(count))))
 
 
-@pytest.mark.parametrize("profiler", ["pyroscope", "exact"])
+@pytest.mark.parametrize(
+    "profiler", [pytest.param("pyroscope", marks=pytest.mark.needs_agent), "exact"]
+)
 @pytest.mark.parametrize("mode", FAULT_MODES)
 def test_requests_succeed_whatever_the_profiler_endpoint_does(
     mode: str, profiler: str, tmp_path: Path

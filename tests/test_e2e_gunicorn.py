@@ -125,7 +125,11 @@ async def _fire(base: str, suffix: str) -> list[dict[str, object]]:
     return [json.loads(response.text) for response in responses]
 
 
-@pytest.mark.parametrize("name", list(SETUPS))
+@pytest.mark.parametrize(
+    "name",
+    # The other setups serve the app with an explicit PyroscopeBackend (tests/e2e/wsgi_app.py).
+    [pytest.param(n, marks=() if s.exact else pytest.mark.needs_agent) for n, s in SETUPS.items()],
+)
 def test_workers_profile_their_requests_exactly(name: str, tmp_path: Path) -> None:
     """>= 97% of request CPU carries its own span id, none two; both workers' profiles arrive."""
     setup = SETUPS[name]

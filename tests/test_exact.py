@@ -622,6 +622,7 @@ def _run_script(
 
 
 @pytest.mark.e2e
+@pytest.mark.needs_agent
 @pytest.mark.timeout(60)
 def test_exact_backend_falls_back_to_pyroscope_outside_the_main_thread(tmp_path: Path) -> None:
     """Started from a loop in another thread: a warning says why, pyroscope-io profiles."""
@@ -704,6 +705,7 @@ def test_exact_backend_starts_again_in_a_forked_child(tmp_path: Path) -> None:
 # --- configuration -------------------------------------------------------------------------------
 
 
+@pytest.mark.needs_agent
 def test_exact_backend_reads_the_same_variables_as_pyroscope() -> None:
     """Every PYROSCOPE_* variable means the same for both backends; the clock is extra."""
     exact = ExactBackend.from_env({**AGENT_ENV, "SPANPROF_PROFILE_CLOCK": "wall"})
@@ -740,14 +742,19 @@ def test_bad_profiler_settings_name_the_variable(environ: dict[str, str], variab
 
 
 def test_profiler_from_env_selects_the_backend() -> None:
-    """The exact profiler by default (auto) and with exact; pyroscope-io with pyroscope."""
+    """The exact profiler by default (auto) and with exact."""
     default = profiler_from_env({k: v for k, v in AGENT_ENV.items() if k != "SPANPROF_PROFILER"})
     assert isinstance(default, ExactBackend)
     assert default.auto
     exact = profiler_from_env({**AGENT_ENV, "SPANPROF_PROFILER": " Exact "})
     assert isinstance(exact, ExactBackend)
     assert not exact.auto
+    assert profiler_from_env({"SPANPROF_PROFILER": "exact"}) is None
+
+
+@pytest.mark.needs_agent
+def test_profiler_from_env_selects_the_agent_with_pyroscope() -> None:
+    """SPANPROF_PROFILER=pyroscope: pyroscope-io."""
     assert isinstance(
         profiler_from_env({**AGENT_ENV, "SPANPROF_PROFILER": "pyroscope"}), PyroscopeBackend
     )
-    assert profiler_from_env({"SPANPROF_PROFILER": "exact"}) is None

@@ -469,6 +469,7 @@ print("done", flush=True)
 
 
 @pytest.mark.e2e
+@pytest.mark.needs_agent
 @pytest.mark.timeout(60)
 def test_the_pyroscope_backend_says_once_that_its_server_is_unreachable(tmp_path: Path) -> None:
     """The real agent against a closed port: one warning, from start to shutdown."""

@@ -301,6 +301,7 @@ thread.join()
 
 
 @pytest.mark.e2e
+@pytest.mark.needs_agent
 @pytest.mark.timeout(60)
 def test_the_fallback_says_memory_samples_are_not_labelled(tmp_path: Path) -> None:
     """Under the pyroscope-io fallback a start-up line says memory is not labelled there."""
@@ -322,6 +323,7 @@ def test_the_fallback_says_memory_samples_are_not_labelled(tmp_path: Path) -> No
     assert "memory samples are not labelled under the pyroscope-io fallback" in proc.stderr
 
 
+@MEMORY_VERSIONS
 def test_memory_labels_are_the_allocating_greenlets() -> None:
     """gevent greenlets taking turns on one OS thread: each sample carries its greenlet's labels."""
     _available()

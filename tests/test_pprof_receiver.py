@@ -553,6 +553,7 @@ _AGENT_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.e2e
+@pytest.mark.needs_agent
 @pytest.mark.timeout(60)
 def test_real_pyroscope_agent_pushes_span_labels(
     push_receiver: PushReceiver, tmp_path: Path

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # CPython versions this machine's Debian does not carry (3.14, 3.15), from a cached, minimal
-# Debian unstable chroot, for tools/test_matrix.py. Needs root (debootstrap, mount, chroot).
+# Debian unstable chroot, for tools/test_matrix.py, which runs the whole suite there. Needs
+# root (debootstrap, mount, chroot).
 #
 #   tools/provision_pythons.sh               create the chroot, or reuse it when complete
 #   tools/provision_pythons.sh run CMD...    run CMD inside it, in this repo, as root
+#   tools/provision_pythons.sh path          print where the chroot lives
 #
 # Environment:
-#   SPANPROF_CHROOT          where the chroot lives (default /var/cache/spanprof-chroot)
+#   SPANPROF_CHROOT          where the chroot lives (default /var/cache/spanprof-chroot-v2)
 #   SPANPROF_DEBIAN_MIRROR   Debian mirror (default http://deb.debian.org/debian)
 #
 # The chroot counts as complete only when its marker file holds this script's recipe (suite
@@ -19,16 +21,27 @@
 # the command even if it is killed, and the trap unmounts them on every ordinary exit.
 set -euo pipefail
 
-CHROOT="${SPANPROF_CHROOT:-/var/cache/spanprof-chroot}"
+# The default path carries the recipe's version: worktrees still on an older recipe keep their
+# own chroot instead of rebuilding a shared one back and forth.
+CHROOT="${SPANPROF_CHROOT:-/var/cache/spanprof-chroot-v2}"
 MIRROR="${SPANPROF_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 SUITE=unstable
 VERSIONS=(3.14 3.15)
 # Debian's names (checked with the chroot's apt-cache): pythonX.Y-venv brings ensurepip,
-# pythonX.Y-dev the headers; gcc and libc6-dev build spanprof._cproxy in each venv. Debian
-# packages no free-threaded (3.14t) build, so the matrix finds none here.
-PACKAGES=(gcc libc6-dev)
+# pythonX.Y-dev the headers; gcc and libc6-dev build spanprof's C extensions in each venv.
+# Debian packages no free-threaded (3.14t) build, so the matrix finds none here.
+# The whole suite runs here, and under CI a test whose component is missing fails: the same
+# system components as .ci/run installs on the host (unstable's versions, not the host's).
+PACKAGES=(
+  gcc libc6-dev
+  libcrypt-dev      # crypt.h: pip builds uwsgi from source (tests/test_e2e_gunicorn.py)
+  prometheus        # tests/test_e2e_prometheus.py
+  docker-compose    # tests/test_compose.py validates offline
+  chromium fonts-dejavu-core  # tests/test_local_browser.py, tests/test_e2e_breach.py
+  golang-go         # go tool pprof: tests/test_memory_push.py
+)
 for v in "${VERSIONS[@]}"; do PACKAGES+=("python$v" "python$v-venv" "python$v-dev"); done
-RECIPE="spanprof-chroot v1 suite=$SUITE packages=${PACKAGES[*]}"
+RECIPE="spanprof-chroot v2 suite=$SUITE packages=${PACKAGES[*]}"
 MARKER=.spanprof-chroot
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
 SELF="$REPO/tools/provision_pythons.sh"
@@ -160,9 +173,10 @@ case "${1:-provision}" in
     [ $# -gt 0 ] || die "usage: $0 run CMD..."
     locked shared run "$@"
     ;;
+  path) echo "$CHROOT" ;;
   _inside)
     shift
     inside "$@"
     ;;
-  *) die "usage: $0 [provision | run CMD...]" ;;
+  *) die "usage: $0 [provision | run CMD... | path]" ;;
 esac

@@ -1,11 +1,16 @@
-"""Run the label-engine tests on every CPython >= 3.10 on this machine, each in its own venv.
+"""Run the label-engine tests on every CPython >= 3.10 on this machine, and the whole suite on
+3.14 and 3.15, each interpreter in its own venv.
 
 The engine patches asyncio internals that differ between versions (eager tasks from 3.12,
 ``Task.get_context`` from 3.12, the C ``Handle`` scheduling), so one green interpreter proves
-little. Interpreters come from pyenv (``$PYENV_ROOT/versions``), from ``python3.X`` and
-``python3.Xt`` on PATH, and from the Debian unstable chroot that ``tools/provision_pythons.sh``
-builds (``$SPANPROF_CHROOT``, default ``/var/cache/spanprof-chroot``; running in it needs
-root). Free-threaded builds (``3.14t``) are run too, in venvs of their own.
+little. On 3.14 and 3.15 more than the engine moved (the context watcher, the current task in
+per-thread state, no pyroscope-io build on 3.15) and no other run covers them, so they run
+every test, in a venv with the same extras as ``make``'s (``.[dev,demo]``). Interpreters come
+from pyenv (``$PYENV_ROOT/versions``), from ``python3.X`` and ``python3.Xt`` on PATH, and from
+the Debian unstable chroot that ``tools/provision_pythons.sh`` builds (``$SPANPROF_CHROOT``,
+default: ``tools/provision_pythons.sh path``; running in it needs root), which carries the
+system components the suite uses too (prometheus, chromium, go...). Free-threaded builds
+(``3.14t``) are run too, engine tests only, in venvs of their own.
 
 Each interpreter is asked its version rather than trusted by name. A venv that fails to
 install fails that version only; the others still run. Under CI (``CI=true``) a missing
@@ -15,6 +20,7 @@ required version (3.14, 3.15) or fewer than two interpreters is a failure, not a
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shutil
@@ -32,6 +38,11 @@ CHROOT_MARKER = ".spanprof-chroot"
 REPORTS = ROOT / "test-artifacts" / "matrix"
 # Versions CI must run: the ones this machine's Debian lacks come from the chroot.
 REQUIRED = ("3.14", "3.15")
+# Versions that run the whole suite (tests/), not only the engine tests.
+WHOLE_SUITE = ("3.14", "3.15")
+# The whole suite imports the dev toolchain (Flask, Django, gunicorn, uwsgi, playwright...):
+# those venvs get what ``make``'s venv gets.
+WHOLE_SUITE_INSTALL = ["-e", ".[dev,demo]"]
 TEST_DEPS = [
     "pytest>=8",
     "pytest-asyncio>=0.24",
@@ -71,6 +82,15 @@ class Interpreter:
         where = "chroot-" if self.source == "chroot" else ""
         return ROOT / f".venv-{where}{self.version}"
 
+    @property
+    def whole_suite(self) -> bool:
+        """Whether this interpreter runs every test, not only the engine tests."""
+        return self.version in WHOLE_SUITE
+
+    @property
+    def scope(self) -> str:
+        return "whole suite" if self.whole_suite else "engine"
+
     def command(self, *args: str) -> list[str]:
         return [*self.prefix, *args]
 
@@ -80,6 +100,7 @@ class Result:
     version: str
     status: str  # "passed", "failed", "install failed", "missing"
     detail: str = ""
+    scope: str = ""  # "engine" or "whole suite"
     counts: dict[str, int] = field(default_factory=dict)
     failed_tests: list[str] = field(default_factory=list)
     skipped_tests: list[str] = field(default_factory=list)
@@ -90,8 +111,17 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+@functools.cache
 def chroot_dir() -> Path:
-    return Path(os.environ.get("SPANPROF_CHROOT", "/var/cache/spanprof-chroot"))
+    """``$SPANPROF_CHROOT``, else where ``tools/provision_pythons.sh`` builds the chroot."""
+    configured = os.environ.get("SPANPROF_CHROOT")
+    if configured:
+        return Path(configured)
+    # The script owns the default (it carries the recipe's version): ask it.
+    proc = subprocess.run(
+        ["bash", str(PROVISION), "path"], capture_output=True, text=True, timeout=60, check=True
+    )
+    return Path(proc.stdout.strip())
 
 
 def candidates(notes: list[str]) -> list[Interpreter]:
@@ -170,6 +200,31 @@ def engine_test_files() -> list[str]:
     )
 
 
+def install_args(interp: Interpreter) -> list[str]:
+    """What ``pip install`` gets in ``interp``'s venv."""
+    if interp.whole_suite:
+        return list(WHOLE_SUITE_INSTALL)
+    return ["-e", ".", *TEST_DEPS]
+
+
+def pytest_args(interp: Interpreter, report: Path) -> list[str]:
+    """The pytest command line (after ``python -m pytest``) for ``interp``."""
+    args = [
+        "-q",
+        "-rfEs",
+        "-p",
+        "no:cacheprovider",
+        # Third-party packages warn about deprecations on new CPythons; spanprof's own
+        # warnings still fail (pyproject's filterwarnings = error).
+        "-W",
+        "ignore::DeprecationWarning",
+        f"--junitxml={report}",
+    ]
+    if interp.whole_suite:
+        return [*args, "tests"]
+    return [*args, "-m", "engine", *engine_test_files()]
+
+
 def run(cmd: Sequence[str]) -> None:
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
@@ -180,13 +235,14 @@ def install(interp: Interpreter) -> None:
     py = str(interp.venv / "bin" / "python")
     stamp = interp.venv / ".installed"
     # The editable install also builds spanprof's C extension: redo it when a C source
-    # changes, when TEST_DEPS change (the stamp holds them), and for a chroot venv when the
-    # chroot was rebuilt.
+    # changes, when what is installed changes (the stamp holds it), and for a chroot venv when
+    # the chroot was rebuilt.
     sources = [ROOT / "pyproject.toml", *sorted((ROOT / "middleware").rglob("*.c"))]
     if interp.source == "chroot":
         sources.append(chroot_dir() / CHROOT_MARKER)
     newest = max(source.stat().st_mtime for source in sources)
-    wanted = "\n".join(TEST_DEPS) + "\n"
+    packages = install_args(interp)
+    wanted = "\n".join(packages) + "\n"
     if stamp.exists() and stamp.stat().st_mtime >= newest and stamp.read_text() == wanted:
         return
     stamp.unlink(missing_ok=True)
@@ -199,9 +255,7 @@ def install(interp: Interpreter) -> None:
             "install",
             "--quiet",
             "--disable-pip-version-check",
-            "-e",
-            ".",
-            *TEST_DEPS,
+            *packages,
         )
     )
     stamp.write_text(wanted)
@@ -230,9 +284,12 @@ def read_report(path: Path, result: Result) -> None:
     result.counts = counts
 
 
-def run_engine_tests(interp: Interpreter) -> Result:
+def run_tests(interp: Interpreter) -> Result:
+    """Install ``interp``'s venv and run its tests (the engine's, or all of them)."""
     started = time.monotonic()
-    result = Result(interp.version, "passed", f"{interp.full_version}, {interp.source}")
+    result = Result(
+        interp.version, "passed", f"{interp.full_version}, {interp.source}", scope=interp.scope
+    )
     try:
         install(interp)
     except subprocess.CalledProcessError as exc:
@@ -241,22 +298,11 @@ def run_engine_tests(interp: Interpreter) -> Result:
         result.seconds = time.monotonic() - started
         return result
     REPORTS.mkdir(parents=True, exist_ok=True)
-    report = REPORTS / f"engine-{interp.venv.name.removeprefix('.venv-')}.xml"
+    kind = "suite" if interp.whole_suite else "engine"
+    report = REPORTS / f"{kind}-{interp.venv.name.removeprefix('.venv-')}.xml"
     report.unlink(missing_ok=True)
     cmd = interp.command(
-        str(interp.venv / "bin" / "python"),
-        "-m",
-        "pytest",
-        "-q",
-        "-rfEs",
-        "-p",
-        "no:cacheprovider",
-        "-m",
-        "engine",
-        "-W",
-        "ignore::DeprecationWarning",
-        f"--junitxml={report}",
-        *engine_test_files(),
+        str(interp.venv / "bin" / "python"), "-m", "pytest", *pytest_args(interp, report)
     )
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, check=False)
@@ -265,15 +311,18 @@ def run_engine_tests(interp: Interpreter) -> Result:
         result.status = "failed"
         result.detail += f"; pytest exit {proc.returncode}"
     result.seconds = time.monotonic() - started
-    print(f"engine tests on CPython {interp.version}: exit {proc.returncode}", flush=True)
+    print(f"{interp.scope} on CPython {interp.version}: exit {proc.returncode}", flush=True)
     return result
 
 
 def summary(results: list[Result]) -> str:
-    lines = ["engine matrix:"]
+    lines = ["test matrix:"]
     for r in results:
         counts = ", ".join(f"{n} {k}" for k, n in r.counts.items()) if r.counts else ""
-        line = f"  {r.version:<6} {r.status:<15} {counts:<36} {r.seconds:6.1f} s  {r.detail}"
+        line = (
+            f"  {r.version:<6} {r.scope:<12} {r.status:<15} {counts:<36} {r.seconds:6.1f} s"
+            f"  {r.detail}"
+        )
         lines.append(line.rstrip())
         lines.extend(f"      FAILED  {t}" for t in r.failed_tests)
         lines.extend(f"      SKIPPED {t}" for t in r.skipped_tests)
@@ -294,20 +343,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("interpreters:", ", ".join(f"{v} ({i.source}: {i.exe})" for v, i in found.items()))
     free_threaded = [v for v in found if v.endswith("t")]
     print("free-threaded:", ", ".join(free_threaded) if free_threaded else "none found")
-    results = [run_engine_tests(interp) for interp in found.values()]
+    results = [run_tests(interp) for interp in found.values()]
     for version in args.versions or REQUIRED:
         if version not in found:
             why = "required under CI" if ci else "not required outside CI"
-            results.append(Result(version, "missing", f"not on this machine ({why})"))
+            scope = "whole suite" if version in WHOLE_SUITE else "engine"
+            results.append(Result(version, "missing", f"not on this machine ({why})", scope=scope))
     print(summary(results), flush=True)
     failed = [r.version for r in results if r.status not in ("passed", "missing")]
     if ci:
         failed += [r.version for r in results if r.status == "missing"]
         if len(found) < 2:
-            print("CI needs at least two CPython >= 3.10 for the engine matrix", file=sys.stderr)
+            print("CI needs at least two CPython >= 3.10 for the test matrix", file=sys.stderr)
             return 1
     if failed:
-        print("engine tests failed on:", ", ".join(failed), file=sys.stderr)
+        print("tests failed on:", ", ".join(failed), file=sys.stderr)
         return 1
     return 0
 
