@@ -558,6 +558,11 @@ def test_exact_backend_pushes_exact_labels_and_flushes_on_shutdown() -> None:
             assert spanprof.engine.installed_backend() is backend
             with labels_scope(_labels(7)):
                 MARKERS[7](0.2)
+                # An 8 MiB block: sampled but for exp(-16), so a memory window has something to
+                # push whatever else this interpreter allocates (the handler's own allocations
+                # are nobody's, and 3.14 allocates little around the burn).
+                del_me = bytes(8 << 20)
+                del del_me
         finally:
             runtime.stop()
         assert backend.mode == "stopped"
@@ -661,10 +666,12 @@ if pid == 0:
     print("child", backend.mode, flush=True)
     with labels_scope(LabelSet({"span_id": "000000000000000b"})):
         MARKERS[11](0.3)
+        bytes(8 << 20)  # sampled for certain: the child's memory window is not empty
     runtime.stop()
     os._exit(0)
 with labels_scope(LabelSet({"span_id": "000000000000000c"})):
     MARKERS[12](0.3)
+    bytes(8 << 20)
 os.waitpid(pid, 0)
 runtime.stop()
 print("parent", backend.mode, flush=True)
