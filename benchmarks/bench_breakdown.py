@@ -17,6 +17,7 @@ import gc
 import json
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from spanprof._local._receiver import PushReceiver
@@ -111,10 +112,9 @@ def _parts(
     }
 
 
-def drive_part(part_name: str, count: int) -> None:
-    """Serve ``count`` requests in-process with one part started (no ticks, no uploads): what
-    ``bench_instructions`` counts under callgrind, where CPU-timed ticks would come 50x as
-    often per request."""
+def _driver() -> Callable[[int], Coroutine[Any, Any, int]]:
+    """``drive(n)``: serve ``n`` requests of the one-route app in-process; the driving
+    thread's CPU nanoseconds they took."""
     from opentelemetry.sdk.trace import TracerProvider
 
     import spanprof
@@ -125,10 +125,20 @@ def drive_part(part_name: str, count: int) -> None:
         _starlette(), profiler=None, tracer_provider=TracerProvider(), environ={}
     )
 
-    async def drive(n: int) -> None:
-        for _ in range(n):
+    async def drive(count: int) -> int:
+        started = time.thread_time_ns()
+        for _ in range(count):
             await app(dict(SCOPE), _receive, _discard)
+        return time.thread_time_ns() - started
 
+    return drive
+
+
+def drive_part(part_name: str, count: int) -> None:
+    """Serve ``count`` requests in-process with one part started (no ticks, no uploads): what
+    ``bench_instructions`` counts under callgrind, where CPU-timed ticks would come 50x as
+    often per request."""
+    drive = _driver()
     # The allocation sampler's drain thread wakes 4 times a second of wall time, which under
     # callgrind (about 50x slower) would count as 50x as much work per request as it is: drain
     # only at stop, so that what is counted is what each request pays.
@@ -154,25 +164,10 @@ def drive_part(part_name: str, count: int) -> None:
 
 
 def _child(argv: list[str]) -> None:
-    from opentelemetry.sdk.trace import TracerProvider
-
-    import spanprof
-
-    from .bench_request import SCOPE, _discard, _receive, _starlette
-
     args = receiver_child_arguments(argv)
-    app = spanprof.ProfilingMiddleware(
-        _starlette(), profiler=None, tracer_provider=TracerProvider(), environ={}
-    )
+    drive = _driver()
     parts = _parts(args.receiver)
     names = list(parts)
-
-    async def drive(count: int) -> int:
-        started = time.thread_time_ns()
-        for _ in range(count):
-            await app(dict(SCOPE), _receive, _discard)
-        return time.thread_time_ns() - started
-
     loop = asyncio.new_event_loop()
     results: dict[str, list[float]] = {name: [] for name in names}
     try:
