@@ -338,10 +338,13 @@ sampler = MemorySampler(sample_bytes=1024)
 sampler.start()
 tracemalloc.start()
 sampler.stop()
+sampled = _alloc.stats()["samples"]
 blocks = [bytes(100) for _ in range(10000)]
 assert tracemalloc.get_traced_memory()[0] > 1_000_000
 stats = _alloc.stats()
 assert stats["stuck"] == 1 and stats["active"] == 0, stats
+# Idle: a megabyte through the hooks at one sample per KiB, and none taken.
+assert stats["samples"] == sampled, (stats, sampled)
 tracemalloc.stop()
 del blocks
 try:

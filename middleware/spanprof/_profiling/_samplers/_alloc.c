@@ -142,7 +142,7 @@ static int active;
 /* The hooks stay installed but idle: another allocator was put over them, so stop() could not
  * take them out without cutting that one off. */
 static int stuck;
-static int64_t countdown;
+static int64_t countdown = INT64_MAX / 2; /* IDLE_COUNTDOWN until start() */
 static double mean_bytes;
 static uint64_t rng_state;
 static PyObject *labels_var;             /* the ContextVar, strong reference */
@@ -658,17 +658,27 @@ sample_block(void *ptr, size_t size)
     in_module = 0;
 }
 
-static inline void
-account(void *ptr, size_t size)
+/* The hooks' fast paths are one decrement and a test (malloc), or one filter bit (free), then
+ * a tail jump into the previous allocator: no stack frame of their own. Everything else is out
+ * of line. While sampling is off, `countdown` is kept out of reach (IDLE_COUNTDOWN), so that the
+ * fast path needs no test of `active`; ntracked is 0 whenever the table is gone. */
+#define IDLE_COUNTDOWN (INT64_MAX / 2)
+
+/* `ptr` took the countdown to zero or below: sample it, unless sampling is off. */
+static __attribute__((noinline)) void
+countdown_reached(void *ptr, size_t size)
 {
-    countdown -= (int64_t)size;
-    if (__builtin_expect(countdown <= 0, 0)) {
+    if (!active) {
+        countdown = IDLE_COUNTDOWN;
+        return;
+    }
+    if (ptr != NULL) {
         sample_block(ptr, size);
     }
+    /* A failed allocation leaves the countdown spent: the next one is sampled. */
 }
 
-/* The slow part of forget(): `ptr` may be tracked. Kept out of line, so that the hooks' fast
- * paths need no stack frame of their own. */
+/* The slow part of forget(): `ptr` may be tracked. */
 static __attribute__((noinline)) void
 forget_tracked(void *ptr)
 {
@@ -676,6 +686,9 @@ forget_tracked(void *ptr)
     uint64_t id;
     buffer_t *buf;
 
+    if (ptr == NULL || !active) {
+        return;
+    }
     tstate = ALLOC_TSTATE();
     if (tstate == NULL || !in_main_interpreter(tstate)) {
         return;
@@ -693,23 +706,38 @@ forget_tracked(void *ptr)
     }
 }
 
-/* A block freed (or moved by realloc): drop it from in-use if it was sampled. */
-static inline void
-forget(void *ptr)
+/* 1 when `ptr` may be a tracked block (the filter's bit is set). */
+static inline int
+may_be_tracked(void *ptr)
 {
-    if (__builtin_expect(ntracked != 0 && ptr != NULL, 0) && filter_may_hold((uintptr_t)ptr)) {
-        forget_tracked(ptr);
-    }
+    return __builtin_expect(ntracked != 0, 0) && filter_may_hold((uintptr_t)ptr);
+}
+
+static __attribute__((noinline)) void *
+malloc_sampled(domain_hook_t *hook, size_t size)
+{
+    void *ptr = hook->previous.malloc(hook->previous.ctx, size);
+    countdown_reached(ptr, size);
+    return ptr;
 }
 
 static void *
 hook_malloc(void *ctx, size_t size)
 {
     domain_hook_t *hook = (domain_hook_t *)ctx;
-    void *ptr = hook->previous.malloc(hook->previous.ctx, size);
-    if (__builtin_expect(ptr != NULL && active, 1)) {
-        account(ptr, size);
+    countdown -= (int64_t)size;
+    if (__builtin_expect(countdown <= 0, 0)) {
+        return malloc_sampled(hook, size);
     }
+    return hook->previous.malloc(hook->previous.ctx, size);
+}
+
+static __attribute__((noinline)) void *
+calloc_sampled(domain_hook_t *hook, size_t nelem, size_t elsize)
+{
+    void *ptr = hook->previous.calloc(hook->previous.ctx, nelem, elsize);
+    /* calloc checked nelem * elsize for overflow before it succeeded. */
+    countdown_reached(ptr, ptr != NULL ? nelem * elsize : 0);
     return ptr;
 }
 
@@ -717,12 +745,16 @@ static void *
 hook_calloc(void *ctx, size_t nelem, size_t elsize)
 {
     domain_hook_t *hook = (domain_hook_t *)ctx;
-    void *ptr = hook->previous.calloc(hook->previous.ctx, nelem, elsize);
-    if (ptr != NULL && active) {
-        /* calloc checked nelem * elsize for overflow before it succeeded. */
-        account(ptr, nelem * elsize);
+    size_t size;
+    if (__builtin_mul_overflow(nelem, elsize, &size)) {
+        /* The previous allocator refuses it; nothing is counted. */
+        return hook->previous.calloc(hook->previous.ctx, nelem, elsize);
     }
-    return ptr;
+    countdown -= (int64_t)size;
+    if (__builtin_expect(countdown <= 0, 0)) {
+        return calloc_sampled(hook, nelem, elsize);
+    }
+    return hook->previous.calloc(hook->previous.ctx, nelem, elsize);
 }
 
 static void *
@@ -730,12 +762,25 @@ hook_realloc(void *ctx, void *old, size_t new_size)
 {
     domain_hook_t *hook = (domain_hook_t *)ctx;
     void *ptr = hook->previous.realloc(hook->previous.ctx, old, new_size);
-    if (ptr != NULL && active) {
-        /* The old block is gone (moved or resized): a new block of new_size takes its place. */
-        forget(old);
-        account(ptr, new_size);
+    if (ptr != NULL) {
+        /* The old block is gone (moved or resized): a new block of new_size takes its place.
+         * Only the old address is looked at, so forgetting it after the call is safe. */
+        if (may_be_tracked(old)) {
+            forget_tracked(old);
+        }
+        countdown -= (int64_t)new_size;
+        if (__builtin_expect(countdown <= 0, 0)) {
+            countdown_reached(ptr, new_size);
+        }
     }
     return ptr;
+}
+
+static __attribute__((noinline)) void
+free_tracked(domain_hook_t *hook, void *ptr)
+{
+    forget_tracked(ptr);
+    hook->previous.free(hook->previous.ctx, ptr);
 }
 
 static void
@@ -744,8 +789,9 @@ hook_free(void *ctx, void *ptr)
     domain_hook_t *hook = (domain_hook_t *)ctx;
     /* Only the address is looked at, so the block can be forgotten before it is freed; the
      * free is then the last call (a jump, not a call frame more on the hottest path). */
-    if (active) {
-        forget(ptr);
+    if (may_be_tracked(ptr)) {
+        free_tracked(hook, ptr);
+        return;
     }
     hook->previous.free(hook->previous.ctx, ptr);
 }
@@ -770,6 +816,10 @@ static void
 free_state(void)
 {
     int i;
+    /* First: the free path reads the table only while ntracked is not 0, and the releases below
+     * free objects through the hooks. */
+    ntracked = 0;
+    nstale = 0;
     for (i = 0; i < 2; i++) {
         if (buffers[i].records != NULL) {
             buffer_clear(&buffers[i]);
@@ -1061,6 +1111,7 @@ alloc_stop(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
         PyMem_SetAllocator(hook_obj.domain, &hook_obj.previous);
         hook_obj.installed = 0;
     }
+    countdown = IDLE_COUNTDOWN;
     free_state();
     return PyBool_FromLong(restored);
 }
