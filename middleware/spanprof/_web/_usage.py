@@ -2,7 +2,8 @@
 
 A span with ``spanprof.cpu_time_s`` had its verdict taken by the exact profiler: it breached
 when it also carries ``spanprof.slo.breached``, and met its SLO otherwise (one attribute less
-per request than writing ``false`` on every good one).
+per request than writing ``false`` on every good one). ``spanprof.alloc_bytes`` is left out
+when none of the span's allocations was sampled (an estimate of 0 bytes).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def end_span(
     if usage is not None and span is not None and span.is_recording():
         try:
             span.set_attribute(CPU_TIME_ATTRIBUTE, usage.cpu_ns / 1e9)
-            if usage.alloc_bytes is not None:
+            # No sampled allocation (most short requests at the default rate): no attribute.
+            # An attribute costs about 1.6 µs with the SDK, 1% of a trivial request.
+            if usage.alloc_bytes:
                 span.set_attribute(ALLOC_BYTES_ATTRIBUTE, usage.alloc_bytes)
         except Exception:  # a span implementation that refuses attributes: not the request's
             pass
