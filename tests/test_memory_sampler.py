@@ -196,6 +196,29 @@ def test_freed_blocks_leave_in_use_and_kept_ones_stay() -> None:
     assert total(by_function(later, "keep_blocks"), 3) == 0
 
 
+def small_churn(count: int) -> None:
+    for _ in repeat(None, count):
+        bytes(100)  # a pymalloc block (512 bytes or less), unlike PAYLOAD's
+
+
+def test_a_freed_sample_leaves_no_filter_bit_behind() -> None:
+    """pymalloc hands a freed block's address straight back out: once a sampled block is freed,
+    the blocks given its address after it must not each look in the in-use table."""
+    with sampling(sample_bytes=16 * 1024) as sampler:
+        kept = keep_blocks(2_000)  # about 130 tracked: the free path consults the filter
+        before = sampler.stats()
+        small_churn(200_000)
+        after = sampler.stats()
+        assert after["tracked"] > 0, after
+        sampled = after["samples"] - before["samples"]
+        probes = after["probes"] - before["probes"]
+        # Each sampled block's own free probes, and a few others share a tracked bit: with a
+        # bit left set, nearly every one of the 200,000 frees would.
+        assert 0 < sampled < 5_000, (before, after)
+        assert probes < sampled + 5_000, (sampled, probes)
+        del kept
+
+
 def test_labels_are_the_allocating_tasks_while_tasks_interleave() -> None:
     """Two asyncio tasks take turns every few blocks: each sample carries its own task's labels."""
     a = LabelSet({"span_id": "a" * 16})

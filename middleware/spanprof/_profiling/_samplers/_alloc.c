@@ -160,14 +160,17 @@ static slot_t *table;
 static uint64_t table_mask;
 static int table_bits;
 /* One bit per hash of a tracked address: a free whose bit is clear (almost every free) needs
- * no probe of the table, which is megabytes and would cost a cache miss per free. Inserts set
- * bits, removals leave them (a stale bit costs one probe); drain() rebuilds it. */
-#define FILTER_BITS 18
+ * no probe of the table, which is megabytes and would cost a cache miss per free. The bit and
+ * the table slot are the top bits of the same hash, the filter at least as many as the table,
+ * so every address of one bit has the same home slot: a removal clears its bit unless another
+ * tracked address of that bit is in the home slot's probe run. No bit is ever stale, which
+ * matters because pymalloc hands a freed block's address straight back out: a stale bit would
+ * cost a probe on nearly every free of its size class. */
+#define MIN_FILTER_BITS 18
 static uint64_t *filter;
+static int filter_shift;                  /* 64 - the filter's bits */
 static uint32_t max_tracked;
 static uint32_t ntracked;
-/* Addresses removed since the filter was last rebuilt: their bits may still be set. */
-static uint32_t nstale;
 
 static uint64_t next_id = 1;
 
@@ -177,6 +180,7 @@ static uint64_t n_dropped;        /* sampled but not recorded: buffer full (drai
 static uint64_t n_untracked;      /* recorded, but left out of in-use: the table is full */
 static uint64_t n_frees;          /* sampled blocks seen freed */
 static uint64_t n_lost_frees;     /* frees the free list had no room for (never expected) */
+static uint64_t n_probes;         /* frees that passed the filter and looked in the table */
 static uint64_t n_reentered;      /* samples skipped because the thread was inside the module */
 static uint64_t n_foreign;        /* samples skipped: no thread state, or another interpreter */
 static uint64_t n_truncated;      /* samples whose stack was cut at max_frames */
@@ -243,16 +247,22 @@ next_gap(void)
 /* --- the in-use table: linear probing, backward-shift deletion -------------------------------- */
 
 static inline uint64_t
-slot_of(uintptr_t ptr)
+address_hash(uintptr_t ptr)
 {
     /* Blocks are 16-byte aligned: drop the zero bits, then Fibonacci hashing (high bits). */
-    return (((uint64_t)ptr >> 4) * 0x9E3779B97F4A7C15ULL) >> (64 - table_bits);
+    return ((uint64_t)ptr >> 4) * 0x9E3779B97F4A7C15ULL;
+}
+
+static inline uint64_t
+slot_of(uintptr_t ptr)
+{
+    return address_hash(ptr) >> (64 - table_bits);
 }
 
 static inline uint64_t
 filter_bit(uintptr_t ptr)
 {
-    return (((uint64_t)ptr >> 4) * 0xC2B2AE3D27D4EB4FULL) >> (64 - FILTER_BITS);
+    return address_hash(ptr) >> filter_shift;
 }
 
 static inline int
@@ -269,18 +279,19 @@ filter_add(uintptr_t ptr)
     filter[bit >> 6] |= 1ULL << (bit & 63);
 }
 
-/* Forget removed addresses' bits: only the tracked ones stay set. */
+/* `ptr` left the table: clear its bit unless another tracked address has it. Those all have
+ * `ptr`'s home slot, so they are in the probe run that starts there. */
 static void
-filter_rebuild(void)
+filter_forget(uintptr_t ptr)
 {
-    uint64_t i;
-    nstale = 0;
-    memset(filter, 0, sizeof(uint64_t) << (FILTER_BITS - 6));
-    for (i = 0; i <= table_mask; i++) {
-        if (table[i].ptr != 0) {
-            filter_add(table[i].ptr);
+    uint64_t bit = filter_bit(ptr), i = slot_of(ptr);
+    while (table[i].ptr != 0) {
+        if (filter_bit(table[i].ptr) == bit) {
+            return;
         }
+        i = (i + 1) & table_mask;
     }
+    filter[bit >> 6] &= ~(1ULL << (bit & 63));
 }
 
 /* 1 if tracked, 0 if the table is full. An address already in the table (a free we never saw)
@@ -342,7 +353,7 @@ table_remove(uintptr_t ptr, uint64_t *id)
     table[i].ptr = 0;
     table[i].id = 0;
     ntracked--;
-    nstale++;
+    filter_forget(ptr);
     return 1;
 }
 
@@ -689,6 +700,7 @@ forget_tracked(void *ptr)
     if (ptr == NULL || !active) {
         return;
     }
+    n_probes++;
     tstate = ALLOC_TSTATE();
     if (tstate == NULL || !in_main_interpreter(tstate)) {
         return;
@@ -819,7 +831,6 @@ free_state(void)
     /* First: the free path reads the table only while ntracked is not 0, and the releases below
      * free objects through the hooks. */
     ntracked = 0;
-    nstale = 0;
     for (i = 0; i < 2; i++) {
         if (buffers[i].records != NULL) {
             buffer_clear(&buffers[i]);
@@ -836,7 +847,6 @@ free_state(void)
     table_mask = 0;
     table_bits = 0;
     ntracked = 0;
-    nstale = 0;
     current = NULL;
     Py_CLEAR(labels_var);
     span_clear();
@@ -854,7 +864,8 @@ alloc_state(void)
     }
     table = PyMem_RawCalloc((size_t)size, sizeof(slot_t));
     table_mask = size - 1;
-    filter = PyMem_RawCalloc((size_t)1 << (FILTER_BITS - 6), sizeof(uint64_t));
+    filter_shift = 64 - (table_bits > MIN_FILTER_BITS ? table_bits : MIN_FILTER_BITS);
+    filter = PyMem_RawCalloc((size_t)1 << (64 - filter_shift - 6), sizeof(uint64_t));
     for (i = 0; i < 2; i++) {
         buffers[i].records = PyMem_RawCalloc(max_records, sizeof(record_t));
         buffers[i].frames = PyMem_RawCalloc(max_pool_frames, sizeof(raw_frame_t));
@@ -1067,7 +1078,7 @@ alloc_start(PyObject *Py_UNUSED(module), PyObject *args)
     }
     countdown = next_gap();
     main_interp = PyInterpreterState_Main();
-    n_samples = n_dropped = n_untracked = n_frees = n_lost_frees = 0;
+    n_samples = n_dropped = n_untracked = n_frees = n_lost_frees = n_probes = 0;
     n_reentered = n_foreign = n_truncated = 0;
     n_span_full = n_span_expired = 0;
     span_gen = 0;
@@ -1199,11 +1210,6 @@ alloc_drain(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
      * another thread until it lets go, and nothing below runs one on this thread's behalf. */
     retired = current;
     current = retired == &buffers[0] ? &buffers[1] : &buffers[0];
-    /* A stale bit costs one probe per free that hashes to it; scanning the whole table
-     * costs about one instruction per slot: rebuild once the stale bits are worth it. */
-    if (nstale > 4096 || nstale > ntracked) {
-        filter_rebuild();
-    }
     if (spans != NULL) {
         span_sweep();
     }
@@ -1319,10 +1325,10 @@ static PyObject *
 alloc_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
 {
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsisi}", "samples", (unsigned long long)n_samples, "dropped",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsisi}", "samples", (unsigned long long)n_samples, "dropped",
         (unsigned long long)n_dropped, "untracked", (unsigned long long)n_untracked, "tracked",
         (unsigned long long)ntracked, "frees", (unsigned long long)n_frees, "lost_frees",
-        (unsigned long long)n_lost_frees, "reentered", (unsigned long long)n_reentered,
+        (unsigned long long)n_lost_frees, "probes", (unsigned long long)n_probes, "reentered", (unsigned long long)n_reentered,
         "foreign", (unsigned long long)n_foreign, "truncated", (unsigned long long)n_truncated,
         "span_totals", (unsigned long long)nspans, "span_full", (unsigned long long)n_span_full,
         "span_expired", (unsigned long long)n_span_expired, "active", active, "stuck", stuck);
