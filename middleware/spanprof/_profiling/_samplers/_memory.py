@@ -116,8 +116,9 @@ class MemorySampler:
         # (lastis, code ids) -> stack id, for self._tables.
         self._stack_ids: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
         self._started_ns = time.time_ns()
-        self._alloc_objects: dict[_Key, float] = {}
-        self._alloc_bytes: dict[_Key, float] = {}
+        # Objects and bytes allocated since the last window, per key: one dict, so that a
+        # sample costs one lookup (a key's hash calls LabelSet.__hash__, a Python method).
+        self._allocated: dict[_Key, list[float]] = {}
         # Sampled blocks not yet freed: id -> (key, objects, bytes); and their sums per key.
         self._live: dict[int, tuple[_Key, float, float]] = {}
         self._inuse: dict[_Key, list[float]] = {}
@@ -196,8 +197,7 @@ class MemorySampler:
     def _reset(self) -> None:
         self._tables = StackTables()
         self._stack_ids.clear()
-        self._alloc_objects.clear()
-        self._alloc_bytes.clear()
+        self._allocated.clear()
         self._live.clear()
         self._inuse.clear()
 
@@ -251,13 +251,12 @@ class MemorySampler:
             window = MemoryWindow(
                 self._started_ns,
                 self._tables,
-                values={k: round(v) for k, v in self._alloc_bytes.items()},
+                values={k: round(v[1]) for k, v in self._allocated.items()},
                 end_ns=now,
-                alloc_objects={k: round(v) for k, v in self._alloc_objects.items()},
+                alloc_objects={k: round(v[0]) for k, v in self._allocated.items()},
                 inuse={k: (round(v[0]), round(v[1])) for k, v in self._inuse.items()},
             )
-            self._alloc_bytes = {}
-            self._alloc_objects = {}
+            self._allocated = {}
             self._started_ns = now
             if len(self._tables) > _MAX_TABLE_SIZE:
                 self._reintern_live()
@@ -276,8 +275,7 @@ class MemorySampler:
         mean = float(self.sample_bytes)
         tables = self._tables
         stack_ids = self._stack_ids
-        alloc_objects = self._alloc_objects
-        alloc_bytes = self._alloc_bytes
+        allocated = self._allocated
         live = self._live
         inuse = self._inuse
         deadline = started + _SLICE_NS
@@ -299,8 +297,12 @@ class MemorySampler:
             # Sampled with probability p: each sample stands for 1/p blocks like it.
             scale = 1.0 / -math.expm1(-size / mean)
             objects, nbytes = scale, size * scale
-            alloc_objects[key] = alloc_objects.get(key, 0.0) + objects
-            alloc_bytes[key] = alloc_bytes.get(key, 0.0) + nbytes
+            counts = allocated.get(key)
+            if counts is None:
+                allocated[key] = [objects, nbytes]
+            else:
+                counts[0] += objects
+                counts[1] += nbytes
             if tracked:
                 live[sample_id] = (key, objects, nbytes)
                 total = inuse.get(key)
