@@ -405,6 +405,10 @@ class ProfileBuilder:
         self._function_buf = bytearray()
         self._locations: dict[Frame, int] = {}
         self._location_buf = bytearray()
+        # A stack tuple's location ids by the tuple's id (the tuple kept, so the id stays its
+        # own): a window's stack comes once per label set, i.e. once per span, and each frame's
+        # lookup would hash a Frame through its Python-level __hash__.
+        self._stack_locations: dict[int, tuple[Sequence[Frame], tuple[int, ...]]] = {}
         self._label_cache: dict[tuple[str, str], bytes] = {}
         self._samples: list[tuple[tuple[int, ...], tuple[bytes, ...], list[int]]] = []
         self._sample_index: dict[tuple[tuple[int, ...], tuple[tuple[str, str], ...]], int] = {}
@@ -494,7 +498,13 @@ class ProfileBuilder:
         into it by summing values.
         """
         values = self._values(value)
-        loc_ids = tuple(self._location_id(f) for f in stack)
+        cached = self._stack_locations.get(id(stack))
+        if cached is not None and cached[0] is stack:
+            loc_ids = cached[1]
+        else:
+            loc_ids = tuple(self._location_id(f) for f in stack)
+            if type(stack) is tuple:  # a list could change under the same id
+                self._stack_locations[id(stack)] = (stack, loc_ids)
         label_key = tuple(labels)
         if num_labels:
             # Numeric labels are rare (Python agents never emit them): do not bother
