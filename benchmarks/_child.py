@@ -15,7 +15,8 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "child_main",
     "pyroscope_backend",
     "receiver_child_arguments",
+    "receiver_process",
     "run_child",
     "run_receiver_child",
 ]
@@ -156,3 +158,44 @@ def run_receiver_child(
         if receiver.errors:
             raise RuntimeError(f"the receiver rejected uploads: {receiver.errors[:3]}")
     return data, receiver
+
+
+@contextmanager
+def receiver_process() -> Iterator[str]:
+    """A ``PushReceiver`` in a process of its own, for as long as the block runs: its URL.
+
+    Under callgrind, which does not follow child processes, the receiver's decoding of what
+    the profiler sends is then not counted as the measured process's work."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks._child", "receiver"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert process.stdout is not None
+    assert process.stdin is not None
+    try:
+        url = process.stdout.readline().strip()
+        if not url.startswith("http://"):
+            raise RuntimeError(f"the receiver process said {url!r}")
+        yield url
+    finally:
+        process.stdin.close()  # it serves until its stdin ends
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _serve_receiver() -> None:
+    with PushReceiver() as receiver:
+        print(receiver.url, flush=True)
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["receiver"]:
+        raise SystemExit("usage: python -m benchmarks._child receiver")
+    _serve_receiver()

@@ -20,9 +20,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
-from spanprof._local._receiver import PushReceiver
-
-from ._child import receiver_child_arguments, run_receiver_child
+from ._child import receiver_child_arguments, receiver_process, run_receiver_child
 from ._report import Section, Spread, markdown_table, paired_ratios
 
 __all__ = ["VARIANTS", "drive_part", "main", "run"]
@@ -147,10 +145,11 @@ def drive_part(part_name: str, count: int) -> None:
     defaults = MemorySampler.__init__.__kwdefaults__
     assert defaults is not None
     defaults["drain_interval"] = 3600.0
-    with PushReceiver() as receiver:
+    # The receiver in a process of its own: what it decodes is not the profiler's work.
+    with receiver_process() as url:
         # The sampler's 1 Hz variant: its hooks and timer, without ticks worth counting.
         name = "sampler_1hz" if part_name == "sampler" else part_name
-        part = _parts(receiver.url, upload_interval=3600, sample_rate=1)[name]
+        part = _parts(url, upload_interval=3600, sample_rate=1)[name]
         loop = asyncio.new_event_loop()
         if part is not None:
             part.start()

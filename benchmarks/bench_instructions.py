@@ -26,6 +26,7 @@ from pathlib import Path
 from ._report import Section, Verdict, markdown_table
 from .bench_breakdown import VARIANTS, drive_part
 from .bench_engine import TASKS
+from .bench_memory import drive_json
 
 __all__ = ["main", "run"]
 
@@ -46,6 +47,10 @@ ABLATIONS = {
 REQUEST_COUNTS = (500, 1500)
 # The exact profiler's parts, alone (bench_breakdown's variants, without their 100 Hz ticks).
 EXACT_PARTS = ["off", "engine", "sampler", "memory", "exact_nomem", "exact"]
+# The memory section's 100 KB JSON endpoint, memory sampling on and off (about 50 times slower
+# under callgrind than the trivial request: fewer requests).
+JSON_COUNTS = (20, 60)
+JSON_BUDGET = 0.97
 # (loop, labels mode, backend): "recorder" pushes every switch; "context" reads the main
 # thread's labels from the running context itself, as ExactBackend does when sampling exactly.
 ENGINE_CASES = [
@@ -175,6 +180,12 @@ def run(quick: bool) -> Section:
                 for part in EXACT_PARTS
             }
         )
+        jobs.update(
+            {
+                ("json", memory): _per_unit(pool, ["json", memory], JSON_COUNTS)
+                for memory in ("on", "off")
+            }
+        )
         per: dict[tuple[str, str], float] = {}
         for key, (small, large, (n_small, n_large)) in jobs.items():
             # Engine cases count steps per task; TASKS tasks take them.
@@ -254,6 +265,23 @@ def run(quick: bool) -> Section:
             ["variant", "instructions/request", "over no profiler", "share"], exact_rows
         ),
     ]
+    json_on, json_off = per[("json", "on")], per[("json", "off")]
+    section.body.append(
+        "The memory section's endpoint (decode and encode of a 100 KB JSON body) under the "
+        "exact profiler, memory sampling at the default 512 KiB and off, counted the same way "
+        f"({JSON_COUNTS[0]} and {JSON_COUNTS[1]} requests after 10 of warm-up; 1 Hz ticks, "
+        "drains and uploads only at stop, so every sample's drain and encoding is counted "
+        f"once): {json_off:,.0f} instructions/request off, {json_on:,.0f} on, "
+        f"{json_on - json_off:+,.0f} ({json_on / json_off - 1:+.1%})."
+    )
+    section.verdicts.append(
+        Verdict(
+            f"throughput of the 100 KB JSON endpoint with memory sampling >= {JSON_BUDGET} x "
+            "without, by instructions",
+            json_off / json_on >= JSON_BUDGET,
+            f"{json_off / json_on:.3f} x ({json_on:,.0f} vs {json_off:,.0f} instructions/request)",
+        )
+    )
     for variant, letter in (("spanprof", "e"), ("spanprof_recorder", "f")):
         value = per[("request", variant)]
         section.verdicts.append(
@@ -269,7 +297,8 @@ def run(quick: bool) -> Section:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Child mode: ``request VARIANT COUNT``, ``engine LOOP MODE STEPS`` or ``exact PART N``."""
+    """Child mode: ``request VARIANT COUNT``, ``engine LOOP MODE STEPS``, ``exact PART N`` or
+    ``json on|off N``."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["request"] and len(args) == 3:
         _child_request(args[1], int(args[2]))
@@ -277,10 +306,12 @@ def main(argv: list[str] | None = None) -> None:
         _child_engine(args[1], args[2], args[3], int(args[4]))
     elif args[:1] == ["exact"] and len(args) == 3:
         drive_part(args[1], int(args[2]))
+    elif args[:1] == ["json"] and len(args) == 3 and args[1] in ("on", "off"):
+        drive_json(args[1] == "on", int(args[2]))
     else:
         raise SystemExit(
             "usage: bench_instructions request VARIANT N | engine LOOP MODE BACKEND STEPS | "
-            "exact PART N"
+            "exact PART N | json on|off N"
         )
 
 

@@ -19,14 +19,14 @@ import gc
 import json
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, Coroutine, MutableMapping
 from itertools import repeat
 from typing import Any
 
-from ._child import receiver_child_arguments, run_receiver_child
+from ._child import receiver_child_arguments, receiver_process, run_receiver_child
 from ._report import Section, Spread, Verdict, markdown_table, paired_ratios
 
-__all__ = ["main", "run"]
+__all__ = ["drive_json", "main", "run"]
 
 THROUGHPUT_BUDGET = 0.97
 BODY_BYTES = 100 * 1024
@@ -45,8 +45,9 @@ def _body() -> bytes:
     return json.dumps({"items": items}).encode()
 
 
-def _child(argv: list[str]) -> None:
-    """Child mode: memory on vs off under the exact profiler, interleaved; write JSON."""
+def _json_driver() -> Callable[[int], Coroutine[Any, Any, tuple[int, int]]]:
+    """``drive(n)``: serve ``n`` ``POST /json`` of the 100 KB body in-process; the driving
+    thread's CPU and wall nanoseconds they took."""
     from opentelemetry.sdk.trace import TracerProvider
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -54,10 +55,6 @@ def _child(argv: list[str]) -> None:
     from starlette.routing import Route
 
     import spanprof
-    from spanprof._profiling._exact import ExactBackend
-    from spanprof._profiling._runtime import ProfilerRuntime
-
-    args = receiver_child_arguments(argv)
 
     async def echo(request: Request) -> Response:
         data = json.loads(await request.body())
@@ -95,6 +92,56 @@ def _child(argv: list[str]) -> None:
         if message["type"] == "http.response.body":
             sent.append(len(message.get("body", b"")))
 
+    async def drive(count: int) -> tuple[int, int]:
+        cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
+        for _ in range(count):
+            await app(dict(scope), receive, send)
+        if not sent or sent[-1] < len(body) // 2:
+            raise RuntimeError(f"unexpected response bodies {sent[-3:]!r}")
+        return time.thread_time_ns() - cpu, time.perf_counter_ns() - wall
+
+    return drive
+
+
+def drive_json(memory: bool, count: int) -> None:
+    """Serve ``count`` JSON requests under the exact profiler, memory sampling ``memory``, with
+    no ticks, uploads or drains worth counting until the stop: what ``bench_instructions``
+    counts under callgrind, which stretches wall and CPU time about 50x."""
+    from spanprof._profiling._exact import ExactBackend
+    from spanprof._profiling._runtime import ProfilerRuntime
+    from spanprof._profiling._samplers._memory import MemorySampler
+
+    defaults = MemorySampler.__init__.__kwdefaults__
+    assert defaults is not None
+    defaults["drain_interval"] = 3600.0
+    drive = _json_driver()
+    with receiver_process() as url:
+        runtime = ProfilerRuntime(
+            ExactBackend(
+                server_address=url,
+                application_name="bench-memory-json",
+                upload_interval=3600,
+                sample_rate=1,
+                memory=memory,
+            )
+        )
+        loop = asyncio.new_event_loop()
+        runtime.start()
+        try:
+            loop.run_until_complete(drive(10))  # warm-up: caches, the decoder's stacks
+            loop.run_until_complete(drive(count))
+        finally:
+            runtime.stop()
+            loop.close()
+
+
+def _child(argv: list[str]) -> None:
+    """Child mode: memory on vs off under the exact profiler, interleaved; write JSON."""
+    from spanprof._profiling._exact import ExactBackend
+    from spanprof._profiling._runtime import ProfilerRuntime
+
+    args = receiver_child_arguments(argv)
+    drive = _json_driver()
     backends = {
         name: ExactBackend(
             server_address=args.receiver,
@@ -106,19 +153,11 @@ def _child(argv: list[str]) -> None:
     }
     runtimes = {name: ProfilerRuntime(backend) for name, backend in backends.items()}
 
-    async def drive(count: int) -> tuple[int, int]:
-        cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
-        for _ in range(count):
-            await app(dict(scope), receive, send)
-        return time.thread_time_ns() - cpu, time.perf_counter_ns() - wall
-
     loop = asyncio.new_event_loop()
     results: dict[str, list[float]] = {"on": [], "off": [], "on_wall": [], "off_wall": []}
     stats: list[dict[str, float]] = []
     try:
         loop.run_until_complete(drive(args.size))  # warm-up
-        if not sent or sent[-1] < len(body) // 2:
-            raise RuntimeError(f"unexpected response bodies {sent[-3:]!r}")
         for index in range(args.rounds):
             order = ["off", "on"] if index % 2 else ["on", "off"]
             for name in order:
@@ -132,7 +171,7 @@ def _child(argv: list[str]) -> None:
                 results[f"{name}_wall"].append(wall / args.size / 1000)
     finally:
         loop.close()
-    args.out.write_text(json.dumps({"results": results, "stats": stats, "body": len(body)}))
+    args.out.write_text(json.dumps({"results": results, "stats": stats, "body": len(_body())}))
 
 
 def _throughput(rounds: int, size: int) -> tuple[dict[str, Any], int]:
