@@ -339,6 +339,28 @@ def _is_ours(handler: object) -> bool:
     return isinstance(getattr(handler, "__self__", None), Sampler)
 
 
+def test_a_fault_in_a_ticks_accounting_neither_escapes_nor_wedges_the_sampler(
+    sampler: Sampler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tick whose re-arm raises: the application does not see it, the next tick still runs,
+    and the interrupted thread's allocations are sampled again afterwards."""
+    from spanprof._profiling._samplers import _alloc
+
+    class FailingTimer:
+        def arm(self, value: float, interval: float = 0.0) -> bool:
+            raise RuntimeError("injected re-arm failure")
+
+    sampler.start()
+    ticks = sampler.stats()["ticks"]
+    monkeypatch.setattr(sampler, "_directed", FailingTimer())
+    sampler._on_signal(signal.SIGPROF, sys._getframe())  # raised into this frame before
+    monkeypatch.undo()
+    assert sampler.stats()["errors"] == 1
+    assert _alloc.ignore_thread(False) is False  # this thread was not left ignored
+    MARKERS[0](0.1)  # the timer's own ticks go on being handled
+    assert sampler.stats()["ticks"] > ticks + 1
+
+
 def test_the_handler_never_undoes_another_threads_gc_disable(
     sampler: Sampler, monkeypatch: pytest.MonkeyPatch
 ) -> None:

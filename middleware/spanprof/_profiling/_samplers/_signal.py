@@ -755,6 +755,18 @@ class Sampler:
         # The handler runs in the interrupted request's context: what it allocates is the
         # sampler's own work, and must not land in that request's memory profile.
         ignoring = _ignore_allocations(True)
+        try:
+            self._handle(frame)
+        except Exception as exc:  # never raise into the interrupted application code
+            self.errors += 1
+            self.last_error = exc
+        finally:
+            # Whatever happened above (a KeyboardInterrupt included): the next tick runs, and
+            # the thread's allocations are sampled again.
+            self._busy = False
+            _ignore_allocations(ignoring)
+
+    def _handle(self, frame: FrameType | None) -> None:
         if self._quiet_wakeup:
             self._quiet_wakeup = False
             _quiet_wakeup_fd()
@@ -764,7 +776,7 @@ class Sampler:
         # only sys._current_frames() needs it off, on CPython < 3.12 (see _current_frames).
         try:
             self._tick(frame, cpu_started)
-        except Exception as exc:  # never raise into the interrupted application code
+        except Exception as exc:  # the accounting below still runs
             self.errors += 1
             self.last_error = exc
         finally:
@@ -772,6 +784,14 @@ class Sampler:
             if not self._wall:
                 # The handler's own CPU is nobody's sample.
                 self._main_last = cpu_ended
+            stall = time.perf_counter_ns() - started
+            slot = self._stall_count % _STALL_RING
+            self._stalls[slot] = stall
+            self._stall_cpu[slot] = cpu_ended - cpu_started
+            self.handler_cpu_ns += cpu_ended - cpu_started
+            self._stall_count += 1
+            if stall > self._stall_max:
+                self._stall_max = stall
             directed = self._directed
             if self._jitter and self._running and directed is not None:
                 # A fixed period can lock onto a periodic workload (a round robin of equal
@@ -786,16 +806,6 @@ class Sampler:
                 )
                 self._due_at = now + value
                 directed.arm(value / 1e9, self.interval)
-            self._busy = False
-            stall = time.perf_counter_ns() - started
-            slot = self._stall_count % _STALL_RING
-            self._stalls[slot] = stall
-            self._stall_cpu[slot] = cpu_ended - cpu_started
-            self.handler_cpu_ns += cpu_ended - cpu_started
-            self._stall_count += 1
-            if stall > self._stall_max:
-                self._stall_max = stall
-            _ignore_allocations(ignoring)
 
     def _tick(self, frame: FrameType | None, cpu_now: int) -> None:
         self.ticks += 1
