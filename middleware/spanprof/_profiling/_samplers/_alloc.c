@@ -1127,16 +1127,19 @@ alloc_stop(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
     return PyBool_FromLong(restored);
 }
 
-/* One record as (id, size, tracked, labels, codes, lastis, truncated); takes over the record's
- * references (its code objects and labels end up in the tuple). */
+/* One record as (id, size, tracked, labels, codes, lastis, truncated, key); takes over the
+ * record's references (its code objects and labels end up in the tuple). `key` is the stack as
+ * bytes, each frame's code address and instruction offset: the drain's cache key, hashed once
+ * and compared with memcmp (a tuple of ints would be hashed and compared item by item). */
 static PyObject *
 record_tuple(buffer_t *buf, record_t *rec)
 {
     PyObject *item, *codes, *lastis, *value;
     uint16_t i;
     raw_frame_t *frames = &buf->frames[rec->first_frame];
+    char *key;
 
-    item = PyTuple_New(7);
+    item = PyTuple_New(8);
     if (item == NULL) {
         return NULL;
     }
@@ -1165,6 +1168,17 @@ record_tuple(buffer_t *buf, record_t *rec)
         PyTuple_SET_ITEM(lastis, i, value);
     }
     PyTuple_SET_ITEM(item, 6, PyBool_FromLong(rec->truncated));
+    if ((value = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)rec->nframes * 16)) == NULL) {
+        goto fail;
+    }
+    key = PyBytes_AS_STRING(value);
+    for (i = 0; i < rec->nframes; i++) {
+        uint64_t address = (uint64_t)(uintptr_t)frames[i].code;
+        int64_t offset = frames[i].lasti;
+        memcpy(key + 16 * (size_t)i, &address, 8);
+        memcpy(key + 16 * (size_t)i + 8, &offset, 8);
+    }
+    PyTuple_SET_ITEM(item, 7, value);
     /* Nothing can fail from here: hand the references over. */
     for (i = 0; i < rec->nframes; i++) {
         PyTuple_SET_ITEM(codes, i, frames[i].code);
@@ -1185,14 +1199,15 @@ fail:
 }
 
 PyDoc_STRVAR(drain_doc,
-"drain() -> tuple[list[tuple[int, int, bool, object, tuple[CodeType, ...], tuple[int, ...], bool]], list[int]]\n"
+"drain() -> tuple[list[tuple[int, int, bool, object, tuple[CodeType, ...], tuple[int, ...], bool, bytes]], list[int]]\n"
 "--\n"
 "\n"
 "The samples taken and the sampled blocks freed since the last call.\n"
 "\n"
-"Each sample is (id, size, tracked, labels, codes, lastis, truncated): codes and lastis are\n"
-"its stack, leaf first. Frees list the ids of tracked samples (reported by an earlier or this\n"
-"same drain) whose block was freed. The calling thread's allocations are not sampled while\n"
+"Each sample is (id, size, tracked, labels, codes, lastis, truncated, key): codes and lastis\n"
+"are its stack, leaf first; key the same stack as bytes (code addresses and offsets). Frees\n"
+"list the ids of tracked samples (reported by an earlier or this same drain) whose block was\n"
+"freed. The calling thread's allocations are not sampled while\n"
 "this runs.");
 
 static PyObject *

@@ -4,8 +4,9 @@ from contextvars import ContextVar
 from types import CodeType
 from typing import Any
 
-#: One sample: (id, size, tracked, labels, codes, lastis, truncated); the stack is leaf first.
-RawSample = tuple[int, int, bool, object, tuple[CodeType, ...], tuple[int, ...], bool]
+#: One sample: (id, size, tracked, labels, codes, lastis, truncated, key); the stack is leaf
+#: first, and ``key`` is the same stack as bytes (each frame's code address and offset).
+RawSample = tuple[int, int, bool, object, tuple[CodeType, ...], tuple[int, ...], bool, bytes]
 
 def unsupported() -> str | None:
     """Why allocation sampling cannot run in this interpreter, or None when it can."""

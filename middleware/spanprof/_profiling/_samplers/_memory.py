@@ -114,7 +114,7 @@ class MemorySampler:
         self._pid: int | None = None
         self._tables = StackTables()
         # (lastis, code ids) -> stack id, for self._tables.
-        self._stack_ids: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+        self._stack_ids: dict[bytes, int] = {}
         self._started_ns = time.time_ns()
         # Objects and bytes allocated since the last window, per key: one dict, so that a
         # sample costs one lookup (a key's hash calls LabelSet.__hash__, a Python method).
@@ -279,7 +279,8 @@ class MemorySampler:
         live = self._live
         inuse = self._inuse
         deadline = started + _SLICE_NS
-        for n, (sample_id, size, tracked, labels, codes, lastis, _truncated) in enumerate(samples):
+        for n, record in enumerate(samples):
+            sample_id, size, tracked, labels, codes, lastis, _truncated, stack_key = record
             if n % 32 == 31 and time.perf_counter_ns() > deadline:
                 # A burst of samples is turned into estimates in slices: the application's
                 # threads get the GIL in between (this lock keeps other drains out).
@@ -289,7 +290,6 @@ class MemorySampler:
                 continue
             if not isinstance(labels, LabelSet):
                 labels = EMPTY
-            stack_key = (lastis, tuple(map(id, codes)))
             sid = stack_ids.get(stack_key)
             if sid is None:
                 sid = stack_ids[stack_key] = _intern(tables, codes, lastis)
