@@ -26,7 +26,7 @@ from pathlib import Path
 from ._report import Section, Verdict, markdown_table
 from .bench_breakdown import VARIANTS, drive_part
 from .bench_engine import TASKS
-from .bench_memory import drive_json
+from .bench_memory import JSON_WARMUP, drive_json
 
 __all__ = ["main", "run"]
 
@@ -269,8 +269,8 @@ def run(quick: bool) -> Section:
     section.body.append(
         "The memory section's endpoint (decode and encode of a 100 KB JSON body) under the "
         "exact profiler, memory sampling at the default 512 KiB and off, counted the same way "
-        f"({JSON_COUNTS[0]} and {JSON_COUNTS[1]} requests after 10 of warm-up; 1 Hz ticks, "
-        "drains and uploads only at stop, so every sample's drain and encoding is counted "
+        f"({JSON_COUNTS[0]} and {JSON_COUNTS[1]} requests after {JSON_WARMUP} of warm-up; 1 Hz "
+        "ticks, drains and uploads only at stop, so every sample's drain and encoding is counted "
         f"once): {json_off:,.0f} instructions/request off, {json_on:,.0f} on, "
         f"{json_on - json_off:+,.0f} ({json_on / json_off - 1:+.1%})."
     )
