@@ -169,11 +169,16 @@ def app(environ, start_response):
     start_response("200 OK", [])
     return [b"ok"]
 
-app = WSGIProfilingMiddleware(app)  # in the main thread, as a server imports the app
+plain = app
+if os.environ.get("BUILT_IN_POOL") != "1":
+    app = WSGIProfilingMiddleware(plain)  # in the main thread, as a server imports the app
 environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/", "SERVER_NAME": "x", "SERVER_PORT": "80",
            "SERVER_PROTOCOL": "HTTP/1.1", "wsgi.url_scheme": "http"}
 done = threading.Event()
 def pool():
+    global app
+    if os.environ.get("BUILT_IN_POOL") == "1":
+        app = WSGIProfilingMiddleware(plain)  # no handler prepared in the main thread
     b"".join(app(environ, lambda *a: None))
     print("mode", app.profiler.mode, flush=True)
     done.set()
@@ -224,6 +229,26 @@ def test_auto_picks_the_exact_sampler_on_a_threaded_server_without_the_agent(
     assert "requests run on pool threads" in proc.stderr
     assert "pyroscope-io, which auto prefers on threaded servers, is not installed" in proc.stderr
     assert "failed" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+def test_no_profiler_at_all_is_one_clear_warning_and_requests_are_served(tmp_path: Path) -> None:
+    """Neither the exact sampler (no handler prepared in the main thread) nor the agent (not
+    installed): one warning says both reasons and what would help, with no traceback."""
+    require(LINUX, "the exact sampler needs Linux thread CPU clocks")
+    with PushReceiver() as receiver:
+        proc = _serve(tmp_path, receiver.url, WITHOUT_AGENT="1", BUILT_IN_POOL="1")
+    assert proc.returncode == 0, proc.stderr
+    assert "mode stopped" in proc.stdout  # the request was served, unprofiled
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING:spanprof")]
+    assert len(warnings) == 1, proc.stderr
+    assert "no profiler can run in this process" in warnings[0]
+    assert "the exact sampler cannot run here" in warnings[0]
+    assert "pyroscope-io, its fallback, is not installed" in warnings[0]
+    assert "main thread" in warnings[0]  # what would make the exact sampler run
+    assert "leave SPANPROF_PROFILER unset" not in proc.stderr  # the advice that cannot help
     assert "Traceback" not in proc.stderr, proc.stderr
 
 

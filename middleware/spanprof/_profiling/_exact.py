@@ -366,11 +366,20 @@ class ExactBackend(WithPyroscopeSettings):
                     return
                 try:
                     fallback = PyroscopeBackend(**self._settings.arguments())
-                except RuntimeError as missing:  # no agent (CPython 3.15): say both reasons
-                    raise RuntimeError(
-                        f"spanprof: no profiler can run in this process (pid {pid}): the exact "
-                        f"sampler cannot run here, {exc}; and {missing}"
-                    ) from missing
+                except RuntimeError:  # no agent (CPython 3.15): say both reasons, once
+                    logger.warning(
+                        "spanprof: no profiler can run in this process (pid %d): the exact "
+                        "sampler cannot run here, %s; and pyroscope-io, its fallback, is not "
+                        "installed (%s). Requests are served without profiles. To profile them "
+                        "exactly, build the WSGI middleware in the main thread (at import) of a "
+                        "threaded server, or serve from an event loop, gevent or a sync worker",
+                        pid,
+                        exc,
+                        "it has no build for CPython 3.15 yet"
+                        if sys.version_info >= (3, 15)
+                        else "pip install pyroscope-io",
+                    )
+                    return
                 self._start_fallback(
                     fallback,
                     pid,
