@@ -167,8 +167,12 @@ static int table_bits;
  * matters because pymalloc hands a freed block's address straight back out: a stale bit would
  * cost a probe on nearly every free of its size class. */
 #define MIN_FILTER_BITS 18
-static uint64_t *filter;
-static int filter_shift;                  /* 64 - the filter's bits */
+/* The filter while there is no table (before start, after stop, hooks left idle): all clear, so
+ * the free path needs no other test. With a shift of 63 every address maps to bit 0 or 1. */
+static uint64_t zero_filter[1];
+#define ZERO_FILTER_SHIFT 63
+static uint64_t *filter = zero_filter;
+static int filter_shift = ZERO_FILTER_SHIFT; /* 64 - the filter's bits */
 static uint32_t max_tracked;
 static uint32_t ntracked;
 
@@ -722,7 +726,7 @@ forget_tracked(void *ptr)
 static inline int
 may_be_tracked(void *ptr)
 {
-    return __builtin_expect(ntracked != 0, 0) && filter_may_hold((uintptr_t)ptr);
+    return __builtin_expect(filter_may_hold((uintptr_t)ptr), 0);
 }
 
 static __attribute__((noinline)) void *
@@ -828,8 +832,11 @@ static void
 free_state(void)
 {
     int i;
-    /* First: the free path reads the table only while ntracked is not 0, and the releases below
-     * free objects through the hooks. */
+    uint64_t *bits = filter;
+    /* First: the releases below free objects through the hooks, whose free path must then
+     * find no bit set (and so never look for the table). */
+    filter_shift = ZERO_FILTER_SHIFT;
+    filter = zero_filter;
     ntracked = 0;
     for (i = 0; i < 2; i++) {
         if (buffers[i].records != NULL) {
@@ -841,9 +848,10 @@ free_state(void)
         memset(&buffers[i], 0, sizeof(buffer_t));
     }
     PyMem_RawFree(table);
-    PyMem_RawFree(filter);
+    if (bits != zero_filter) {
+        PyMem_RawFree(bits);
+    }
     table = NULL;
-    filter = NULL;
     table_mask = 0;
     table_bits = 0;
     ntracked = 0;
@@ -856,7 +864,8 @@ static int
 alloc_state(void)
 {
     uint64_t size = 2;
-    int i;
+    uint64_t *bits;
+    int i, shift;
     table_bits = 1;
     while (size < 2 * (uint64_t)max_tracked) {
         size <<= 1;
@@ -864,8 +873,8 @@ alloc_state(void)
     }
     table = PyMem_RawCalloc((size_t)size, sizeof(slot_t));
     table_mask = size - 1;
-    filter_shift = 64 - (table_bits > MIN_FILTER_BITS ? table_bits : MIN_FILTER_BITS);
-    filter = PyMem_RawCalloc((size_t)1 << (64 - filter_shift - 6), sizeof(uint64_t));
+    shift = 64 - (table_bits > MIN_FILTER_BITS ? table_bits : MIN_FILTER_BITS);
+    bits = PyMem_RawCalloc((size_t)1 << (64 - shift - 6), sizeof(uint64_t));
     for (i = 0; i < 2; i++) {
         buffers[i].records = PyMem_RawCalloc(max_records, sizeof(record_t));
         buffers[i].frames = PyMem_RawCalloc(max_pool_frames, sizeof(raw_frame_t));
@@ -874,9 +883,12 @@ alloc_state(void)
             goto fail;
         }
     }
-    if (table == NULL || filter == NULL) {
+    if (table == NULL || bits == NULL) {
+        PyMem_RawFree(bits);
         goto fail;
     }
+    filter = bits;
+    filter_shift = shift;
     current = &buffers[0];
     return 0;
 fail:
