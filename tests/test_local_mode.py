@@ -533,7 +533,6 @@ def test_apis_reject_bad_ids_and_foreign_hosts(run: LocalRun) -> None:
 @pytest.mark.e2e
 # Served by threads: the exact sampler cannot run there yet, so this relies on its
 # pyroscope-io fallback.
-@pytest.mark.needs_agent
 def test_wsgi_apps_run_in_local_mode_too(tmp_path: Path) -> None:
     """A WSGIProfilingMiddleware app: served by threads, its slow request's flame graph works."""
     require(
