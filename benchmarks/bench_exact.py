@@ -39,7 +39,8 @@ from ._report import Section, Spread, Verdict, markdown_table, paired_ratios
 __all__ = ["CONCURRENCY", "main", "run"]
 
 CONCURRENCY = 16
-THROUGHPUT_BUDGET = 0.97
+# The exact profiler is the default (#13 asks 0.98 x of the default, memory sampling on).
+THROUGHPUT_BUDGET = 0.98
 STALL_BUDGET_US = 300.0
 EXPORT_BUDGET_US = 2000.0
 
