@@ -142,7 +142,10 @@ static int active;
 /* The hooks stay installed but idle: another allocator was put over them, so stop() could not
  * take them out without cutting that one off. */
 static int stuck;
-static int64_t countdown = INT64_MAX / 2; /* IDLE_COUNTDOWN until start() */
+/* While sampling is off the countdown is kept out of reach, so that the malloc fast path
+ * needs no test of `active`. */
+#define IDLE_COUNTDOWN (INT64_MAX / 2)
+static int64_t countdown = IDLE_COUNTDOWN;
 static double mean_bytes;
 static uint64_t rng_state;
 static PyObject *labels_var;             /* the ContextVar, strong reference */
@@ -675,9 +678,8 @@ sample_block(void *ptr, size_t size)
 
 /* The hooks' fast paths are one decrement and a test (malloc), or one filter bit (free), then
  * a tail jump into the previous allocator: no stack frame of their own. Everything else is out
- * of line. While sampling is off, `countdown` is kept out of reach (IDLE_COUNTDOWN), so that the
- * fast path needs no test of `active`; ntracked is 0 whenever the table is gone. */
-#define IDLE_COUNTDOWN (INT64_MAX / 2)
+ * of line. Sampling off, the countdown is out of reach (IDLE_COUNTDOWN) and the filter all
+ * clear (zero_filter), so neither path tests `active`. */
 
 /* `ptr` took the countdown to zero or below: sample it, unless sampling is off. */
 static __attribute__((noinline)) void
@@ -753,7 +755,7 @@ calloc_sampled(domain_hook_t *hook, size_t nelem, size_t elsize)
 {
     void *ptr = hook->previous.calloc(hook->previous.ctx, nelem, elsize);
     /* calloc checked nelem * elsize for overflow before it succeeded. */
-    countdown_reached(ptr, ptr != NULL ? nelem * elsize : 0);
+    countdown_reached(ptr, nelem * elsize);
     return ptr;
 }
 
