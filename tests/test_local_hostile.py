@@ -181,6 +181,21 @@ def _flood(app: str, total: int) -> None:
     assert errors == []
 
 
+def _span_flame(ui: str, span_id: str, timeout: float = 30.0) -> Any:
+    """The span's CPU flame graph once its samples are in (or the last answer at ``timeout``).
+
+    Two more uploads are not enough to wait for: the CPU and memory profiles of one interval
+    count as two, and the exact profiler holds a request's samples until its verdict, into the
+    next window."""
+    deadline = time.monotonic() + timeout
+    settle(ui)
+    while True:
+        flame = _deep_json(f"{ui}/api/flamegraph?span_id={span_id}")
+        if flame["root"]["children"] or time.monotonic() > deadline:
+            return flame
+        time.sleep(0.5)
+
+
 def _deep_json(url: str) -> Any:
     """GET ``url`` and decode JSON nested deeper than ``json.loads`` recurses by default.
 
@@ -291,8 +306,7 @@ def test_local_mode_survives_every_attack_within_its_memory_budget(tmp_path: Pat
 
         # 6. A request 900 frames deep renders its flame graph, leaf included.
         labels = httpx.get(f"{app}/deep/{DEEP_REQUEST}", timeout=60).json()
-        settle(ui)
-        flame = _deep_json(f"{ui}/api/flamegraph?span_id={labels['span_id']}")
+        flame = _span_flame(ui, labels["span_id"])
         assert "deep_leaf" in frame_names(flame["root"])
         # The exact sampler keeps a stack's MAX_DEPTH leaf-most frames (pyroscope-io all).
         assert len(_leaf_to_root(flame["root"])) >= min(DEEP_REQUEST, MAX_DEPTH)
