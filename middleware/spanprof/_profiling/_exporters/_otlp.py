@@ -41,6 +41,7 @@ from .._encoders._otlp import (
 from .._encoders._protowire import ProtoDecodeError, as_bytes, as_int, as_str, iter_fields
 from .._window import Window
 from ._otlp_grpc import GrpcTransport, grpc_available
+from ._steps import StepTimer
 
 __all__ = [
     "OTLP_CONTENT_TYPE",
@@ -347,10 +348,7 @@ class OtlpExporter:
         self.empty_windows = 0
         self.bytes_sent = 0
         self.raw_bytes = 0
-        self.export_steps = 0
-        self.export_cpu_ns = 0
-        self.max_step_ns = 0
-        self.max_step_wall_ns = 0
+        self._steps = StepTimer()
         self.last_status: int | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -385,10 +383,12 @@ class OtlpExporter:
             "otlp_pending": len(self._queue),
             "otlp_bytes_sent": self.bytes_sent,
             "otlp_raw_bytes": self.raw_bytes,
-            "otlp_export_steps": self.export_steps,
-            "otlp_export_cpu_ms": self.export_cpu_ns / 1e6,
-            "otlp_max_export_step_us": self.max_step_ns / 1e3,
-            "otlp_max_export_step_wall_us": self.max_step_wall_ns / 1e3,
+            "otlp_export_steps": self._steps.steps,
+            "otlp_export_cpu_ms": self._steps.cpu_ns / 1e6,
+            "otlp_max_export_step_us": self._steps.max_ns / 1e3,
+            "otlp_max_export_step_wall_us": self._steps.max_wall_ns / 1e3,
+            "otlp_export_gc_ms": self._steps.gc_ns / 1e6,
+            "otlp_max_export_step_gc_us": self._steps.max_gc_ns / 1e3,
         }
 
     # --- the export thread ----------------------------------------------------------------------
@@ -421,18 +421,6 @@ class OtlpExporter:
         if self._grpc is not None:
             self._grpc.close()
 
-    def _timed(self, work: Callable[[], object]) -> None:
-        # One step of export work under the GIL; the sleep(0) after it lets waiting threads in.
-        cpu = time.thread_time_ns()
-        wall = time.perf_counter_ns()
-        work()
-        used = time.thread_time_ns() - cpu
-        self.export_cpu_ns += used
-        self.max_step_ns = max(self.max_step_ns, used)
-        self.max_step_wall_ns = max(self.max_step_wall_ns, time.perf_counter_ns() - wall)
-        self.export_steps += 1
-        time.sleep(0)
-
     def _resource_bytes(self) -> bytes:
         attributes = dict(self._resource_attributes())
         cached = self._resource
@@ -446,7 +434,7 @@ class OtlpExporter:
             window, resource=self._resource_bytes(), scope=self._scope, attributes=self.attributes
         )
         while not encoder.done:
-            self._timed(encoder.step)
+            self._steps.run(encoder.step)
         self.raw_bytes += len(encoder.request)
         if self._gzip:
             # zlib releases the GIL while it deflates.

@@ -41,6 +41,7 @@ from ..._version import __version__
 from .._encoders._push import PUSH_CONTENT_TYPE, PUSH_PATH, encode_push_request
 from .._encoders._window import WindowEncoder
 from .._window import Window
+from ._steps import StepTimer
 
 __all__ = ["Pusher", "StepEncoder"]
 
@@ -155,10 +156,7 @@ class Pusher:
         self.errors = 0
         self.empty_windows = 0
         self.bytes_sent = 0
-        self.export_steps = 0
-        self.export_cpu_ns = 0
-        self.max_step_ns = 0
-        self.max_step_wall_ns = 0
+        self._steps = StepTimer()
         self.last_status: int | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -197,10 +195,12 @@ class Pusher:
             "upload_errors": self.errors,
             "pending": len(self._queue),
             "bytes_sent": self.bytes_sent,
-            "export_steps": self.export_steps,
-            "export_cpu_ms": self.export_cpu_ns / 1e6,
-            "max_export_step_us": self.max_step_ns / 1e3,
-            "max_export_step_wall_us": self.max_step_wall_ns / 1e3,
+            "export_steps": self._steps.steps,
+            "export_cpu_ms": self._steps.cpu_ns / 1e6,
+            "max_export_step_us": self._steps.max_ns / 1e3,
+            "max_export_step_wall_us": self._steps.max_wall_ns / 1e3,
+            "export_gc_ms": self._steps.gc_ns / 1e6,
+            "max_export_step_gc_us": self._steps.max_gc_ns / 1e3,
         }
 
     # --- the upload thread ----------------------------------------------------------------------
@@ -249,18 +249,6 @@ class Pusher:
             "on with the next window (logged once)",
         )
 
-    def _timed(self, work: Callable[[], object]) -> None:
-        # One step of export work under the GIL; the sleep(0) after it lets waiting threads in.
-        cpu = time.thread_time_ns()
-        wall = time.perf_counter_ns()
-        work()
-        used = time.thread_time_ns() - cpu
-        self.export_cpu_ns += used
-        self.max_step_ns = max(self.max_step_ns, used)
-        self.max_step_wall_ns = max(self.max_step_wall_ns, time.perf_counter_ns() - wall)
-        self.export_steps += 1
-        time.sleep(0)
-
     def _export(self) -> None:
         collect = self._collect
         if collect is None:
@@ -276,9 +264,9 @@ class Pusher:
                 else self._encoder(window)
             )
             while not encoder.done:
-                self._timed(encoder.step)
+                self._steps.run(encoder.step)
             request: list[bytes] = []
-            self._timed(
+            self._steps.run(
                 lambda: request.append(encode_push_request([(self.labels, encoder.profiles)]))
             )
             # zlib releases the GIL while it deflates.
