@@ -207,4 +207,13 @@ def test_workers_profile_their_requests_exactly(name: str, tmp_path: Path) -> No
     assert result.double_span == 0, result.summary()
     if setup.background:
         assert result.background_total > 0, result.summary()
-    assert result.background_labelled == 0, result.summary()
+    if setup.exact:
+        assert result.background_labelled == 0, result.summary()
+    else:
+        # pyroscope-io reads a thread's stack and its labels at two instants, so a switch
+        # into the burner between the two books one tick of it with the request it left
+        # (1 of 22 background ticks seen on 3.14): the same race the 97% bar allows for.
+        tick = 10_000_000
+        assert result.background_labelled <= max(tick, 0.03 * result.background_total), (
+            result.summary()
+        )
