@@ -405,13 +405,15 @@ class ProfileBuilder:
         self._function_buf = bytearray()
         self._locations: dict[Frame, int] = {}
         self._location_buf = bytearray()
-        # A stack tuple's location ids by the tuple's id (the tuple kept, so the id stays its
-        # own): a window's stack comes once per label set, i.e. once per span, and each frame's
-        # lookup would hash a Frame through its Python-level __hash__.
-        self._stack_locations: dict[int, tuple[Sequence[Frame], tuple[int, ...]]] = {}
+        # A stack tuple's encoded location ids by the tuple's id (the tuple kept, so the id
+        # stays its own): a window's stack comes once per label set, i.e. once per span, and
+        # each frame's lookup would hash a Frame through its Python-level __hash__. The ids are
+        # kept as the sample's packed field, written as is by build() and hashed once (bytes
+        # cache their hash) as the merge key.
+        self._stack_locations: dict[int, tuple[Sequence[Frame], bytes]] = {}
         self._label_cache: dict[tuple[str, str], bytes] = {}
-        self._samples: list[tuple[tuple[int, ...], tuple[bytes, ...], list[int]]] = []
-        self._sample_index: dict[tuple[tuple[int, ...], tuple[tuple[str, str], ...]], int] = {}
+        self._samples: list[tuple[bytes, tuple[bytes, ...], list[int]]] = []
+        self._sample_index: dict[tuple[bytes, tuple[tuple[str, str], ...]], int] = {}
         # Header strings are interned up front so the string table is complete
         # whenever build() runs.
         for t, u in (*self._sample_types, self._period_type):
@@ -502,7 +504,7 @@ class ProfileBuilder:
         if cached is not None and cached[0] is stack:
             loc_ids = cached[1]
         else:
-            loc_ids = tuple(self._location_id(f) for f in stack)
+            loc_ids = self._locations_field(stack)
             if type(stack) is tuple:  # a list could change under the same id
                 self._stack_locations[id(stack)] = (stack, loc_ids)
         label_key = tuple(labels)
@@ -521,9 +523,14 @@ class ProfileBuilder:
             for i, v in enumerate(values):
                 acc[i] += v
 
+    def _locations_field(self, stack: Sequence[Frame]) -> bytes:
+        field = bytearray()
+        put_packed_varints_field(field, _S_LOCATION_ID, [self._location_id(f) for f in stack])
+        return bytes(field)
+
     def _append(
         self,
-        loc_ids: tuple[int, ...],
+        loc_ids: bytes,
         labels: tuple[tuple[str, str], ...],
         num_labels: tuple[tuple[str, int, str], ...],
         values: list[int],
@@ -534,7 +541,7 @@ class ProfileBuilder:
         self._samples.append((loc_ids, encoded, values))
 
     def _add_unmerged(self, sample: Sample) -> None:
-        loc_ids = tuple(self._location_id(f) for f in sample.stack)
+        loc_ids = self._locations_field(sample.stack)
         self._append(loc_ids, sample.labels, sample.num_labels, self._values(sample.values))
 
     def build(self, *, time_nanos: int = 0, duration_nanos: int = 0) -> bytes:
@@ -548,8 +555,7 @@ class ProfileBuilder:
             put_bytes_field(buf, _P_SAMPLE_TYPE, vt)
         msg = bytearray()
         for loc_ids, labels, values in self._samples:
-            msg.clear()
-            put_packed_varints_field(msg, _S_LOCATION_ID, loc_ids)
+            msg[:] = loc_ids
             put_packed_varints_field(msg, _S_VALUE, values)
             for lab in labels:
                 put_bytes_field(msg, _S_LABEL, lab)
