@@ -9,15 +9,12 @@ sends a ``RetryInfo`` (whose delay is then honoured); anything else drops the wi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 from .._encoders._protowire import ProtoDecodeError, as_bytes, as_int, as_str, iter_fields
 
-if TYPE_CHECKING:
-    from ._otlp import OtlpSettings
-
-__all__ = ["EXPORT_METHOD", "GrpcTransport", "grpc_available", "retry_info_delay"]
+__all__ = ["EXPORT_METHOD", "GrpcSettings", "GrpcTransport", "grpc_available", "retry_info_delay"]
 
 EXPORT_METHOD = "/opentelemetry.proto.collector.profiles.v1development.ProfilesService/Export"
 _RETRYABLE = frozenset(
@@ -72,10 +69,29 @@ def grpc_target(endpoint: str, insecure: bool) -> tuple[str, bool]:
     return parts.netloc, parts.scheme == "https"
 
 
+class GrpcSettings(Protocol):
+    """What the transport reads of the exporter's settings (``OtlpSettings`` has it all)."""
+
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def insecure(self) -> bool: ...
+    @property
+    def headers(self) -> tuple[tuple[str, str], ...]: ...
+    @property
+    def compression(self) -> str: ...
+    @property
+    def certificate(self) -> str: ...
+    @property
+    def client_certificate(self) -> str: ...
+    @property
+    def client_key(self) -> str: ...
+
+
 class GrpcTransport:
     """One channel to the endpoint, created on first use (in the exporter's thread)."""
 
-    def __init__(self, settings: OtlpSettings) -> None:
+    def __init__(self, settings: GrpcSettings) -> None:
         self.settings = settings
         self.target, self.secure = grpc_target(settings.endpoint, settings.insecure)
         self._channel: Any = None
