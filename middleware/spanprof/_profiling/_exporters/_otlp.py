@@ -383,12 +383,7 @@ class OtlpExporter:
             "otlp_pending": len(self._queue),
             "otlp_bytes_sent": self.bytes_sent,
             "otlp_raw_bytes": self.raw_bytes,
-            "otlp_export_steps": self._steps.steps,
-            "otlp_export_cpu_ms": self._steps.cpu_ns / 1e6,
-            "otlp_max_export_step_us": self._steps.max_ns / 1e3,
-            "otlp_max_export_step_wall_us": self._steps.max_wall_ns / 1e3,
-            "otlp_export_gc_ms": self._steps.gc_ns / 1e6,
-            "otlp_max_export_step_gc_us": self._steps.max_gc_ns / 1e3,
+            **self._steps.stats("otlp_"),
         }
 
     # --- the export thread ----------------------------------------------------------------------

@@ -195,12 +195,7 @@ class Pusher:
             "upload_errors": self.errors,
             "pending": len(self._queue),
             "bytes_sent": self.bytes_sent,
-            "export_steps": self._steps.steps,
-            "export_cpu_ms": self._steps.cpu_ns / 1e6,
-            "max_export_step_us": self._steps.max_ns / 1e3,
-            "max_export_step_wall_us": self._steps.max_wall_ns / 1e3,
-            "export_gc_ms": self._steps.gc_ns / 1e6,
-            "max_export_step_gc_us": self._steps.max_gc_ns / 1e3,
+            **self._steps.stats(""),
         }
 
     # --- the upload thread ----------------------------------------------------------------------

@@ -55,6 +55,17 @@ class StepTimer:
             self.steps += 1
         time.sleep(0)
 
+    def stats(self, prefix: str = "") -> dict[str, float]:
+        """Steps, their CPU, the longest step (CPU and wall) and the collections apart."""
+        return {
+            f"{prefix}export_steps": self.steps,
+            f"{prefix}export_cpu_ms": self.cpu_ns / 1e6,
+            f"{prefix}max_export_step_us": self.max_ns / 1e3,
+            f"{prefix}max_export_step_wall_us": self.max_wall_ns / 1e3,
+            f"{prefix}export_gc_ms": self.gc_ns / 1e6,
+            f"{prefix}max_export_step_gc_us": self.max_gc_ns / 1e3,
+        }
+
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         # The callback runs on the collecting thread; only the step's own thread counts.
         if threading.get_ident() != self._thread:
