@@ -502,22 +502,22 @@ class ProfileBuilder:
         values = self._values(value)
         cached = self._stack_locations.get(id(stack))
         if cached is not None and cached[0] is stack:
-            loc_ids = cached[1]
+            locations = cached[1]
         else:
-            loc_ids = self._locations_field(stack)
+            locations = self._locations_field(stack)
             if type(stack) is tuple:  # a list could change under the same id
-                self._stack_locations[id(stack)] = (stack, loc_ids)
+                self._stack_locations[id(stack)] = (stack, locations)
         label_key = tuple(labels)
         if num_labels:
             # Numeric labels are rare (Python agents never emit them): do not bother
             # merging, just keep such samples separate.
-            self._append(loc_ids, label_key, tuple(num_labels), values)
+            self._append(locations, label_key, tuple(num_labels), values)
             return
-        key = (loc_ids, label_key)
+        key = (locations, label_key)
         idx = self._sample_index.get(key)
         if idx is None:
             self._sample_index[key] = len(self._samples)
-            self._append(loc_ids, label_key, (), values)
+            self._append(locations, label_key, (), values)
         else:
             acc = self._samples[idx][2]
             for i, v in enumerate(values):
@@ -530,7 +530,7 @@ class ProfileBuilder:
 
     def _append(
         self,
-        loc_ids: bytes,
+        locations: bytes,
         labels: tuple[tuple[str, str], ...],
         num_labels: tuple[tuple[str, int, str], ...],
         values: list[int],
@@ -538,11 +538,11 @@ class ProfileBuilder:
         encoded = tuple(self._label_bytes(p) for p in labels) + tuple(
             self._num_label_bytes(n) for n in num_labels
         )
-        self._samples.append((loc_ids, encoded, values))
+        self._samples.append((locations, encoded, values))
 
     def _add_unmerged(self, sample: Sample) -> None:
-        loc_ids = self._locations_field(sample.stack)
-        self._append(loc_ids, sample.labels, sample.num_labels, self._values(sample.values))
+        locations = self._locations_field(sample.stack)
+        self._append(locations, sample.labels, sample.num_labels, self._values(sample.values))
 
     def build(self, *, time_nanos: int = 0, duration_nanos: int = 0) -> bytes:
         """Serialise the profile as raw (not gzip-compressed) pprof bytes."""
@@ -554,8 +554,8 @@ class ProfileBuilder:
             put_varint_field(vt, _VT_UNIT, strings[u])
             put_bytes_field(buf, _P_SAMPLE_TYPE, vt)
         msg = bytearray()
-        for loc_ids, labels, values in self._samples:
-            msg[:] = loc_ids
+        for locations, labels, values in self._samples:
+            msg[:] = locations
             put_packed_varints_field(msg, _S_VALUE, values)
             for lab in labels:
                 put_bytes_field(msg, _S_LABEL, lab)
