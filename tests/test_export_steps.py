@@ -41,6 +41,11 @@ def test_a_collection_inside_a_step_is_counted_apart_from_the_step() -> None:
     # Two clocks: wall time covers both parts, within the clocks' granularity.
     assert timer.max_wall_ns >= 0.95 * (timer.max_ns + timer.max_gc_ns), vars(timer)
     assert timer._on_gc not in gc.callbacks
+    stats = timer.stats("otlp_")
+    assert stats["otlp_export_steps"] == 1
+    assert stats["otlp_max_export_step_us"] == timer.max_ns / 1e3
+    assert stats["otlp_max_export_step_gc_us"] > 3_000
+    assert stats["otlp_max_export_step_gc_us"] == pytest.approx(stats["otlp_export_gc_ms"] * 1e3)
 
 
 def test_a_collection_on_another_thread_during_a_step_is_not_the_steps() -> None:
