@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,12 +18,35 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out as source ports of outgoing connections (inclusive)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """An ephemeral loopback port that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A loopback port that was free a moment ago, and that no connection will take meanwhile.
+
+    A port taken from ``bind(0)`` lies in the ephemeral range, so between its release here and
+    the server's bind, any outgoing connection (a client, an upload) may get it as its source
+    port: gunicorn then gave up with "Connection in use" (seen on 3.14 in CI). Below that range
+    only another listener can take it, and the bind checks there is none.
+    """
+    low, _ = ephemeral_range()
+    top = max(low, 2048)
+    candidates = list(range(max(1024, top - 16384), top))
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port below the ephemeral range ({low})")
 
 
 def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
