@@ -228,6 +228,26 @@ def test_a_freed_sample_leaves_no_filter_bit_behind() -> None:
         del kept
 
 
+def test_frees_of_tracked_blocks_that_share_a_filter_bit_are_all_seen() -> None:
+    """The free path's filter maps many addresses to one bit. Freeing one tracked block of a
+    bit must leave the bit set for the others, or their frees go unseen and in-use keeps them."""
+    # 64 bits for 4,000 tracked blocks: every bit is shared by dozens.
+    warm_up()
+    with sampling(sample_bytes=1, filter_bits=6, max_samples=50_000) as sampler:
+        kept = keep_blocks(4_000)
+        del kept[::2]  # frees every other block: each of their bits has kept blocks too
+        half = sampler.take_window()
+        kept_rows = by_function(half, "keep_blocks")
+        # Every block is sampled (weight 1 / (1 - exp(-BLOCK)) = 1).
+        assert total(kept_rows, 2) == len(kept) == 2_000, kept_rows
+        assert total(kept_rows, 3) == len(kept) * BLOCK, kept_rows
+        del kept
+        later = sampler.take_window()
+        stats = sampler.stats()
+    assert total(by_function(later, "keep_blocks"), 2) == 0, stats
+    assert total(by_function(later, "keep_blocks"), 3) == 0, stats
+
+
 def test_labels_are_the_allocating_tasks_while_tasks_interleave() -> None:
     """Two asyncio tasks take turns every few blocks: each sample carries its own task's labels."""
     a = LabelSet({"span_id": "a" * 16})

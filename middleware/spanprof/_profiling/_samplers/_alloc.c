@@ -4,7 +4,7 @@
  * where every allocator must be thread-safe and MEM is called with an attached thread state;
  * never RAW, which may run without one). It samples by bytes: a countdown drawn from an
  * exponential distribution of mean `mean_bytes` is decremented by each block's size, and the
- * block that takes it to zero or below is sampled; so a block of s bytes is sampled with
+ * block that takes it past zero is sampled; so a block of s bytes is sampled with
  * probability 1 - exp(-s / mean), whatever the sizes around it (a Poisson process over the
  * allocated bytes, as tcmalloc and Go sample). The Python side scales each sample by the inverse
  * of that probability.
@@ -142,10 +142,15 @@ static int active;
 /* The hooks stay installed but idle: another allocator was put over them, so stop() could not
  * take them out without cutting that one off. */
 static int stuck;
-/* While sampling is off the countdown is kept out of reach, so that the malloc fast path
- * needs no test of `active`. */
-#define IDLE_COUNTDOWN (INT64_MAX / 2)
-static int64_t countdown = IDLE_COUNTDOWN;
+/* The bytes that may still pass unsampled: the block that takes more than this (the
+ * subtraction borrows) is sampled. Unsigned, so the fast path's one subtraction is also its
+ * test. While sampling is off it is kept out of reach, so that the malloc fast path needs no
+ * test of `active`. */
+#define IDLE_COUNTDOWN (UINT64_MAX / 2)
+static uint64_t countdown = IDLE_COUNTDOWN;
+/* Take `size` off the countdown; true (rarely) when the block takes it past zero. */
+#define COUNT_DOWN(size) \
+    __builtin_expect(__builtin_sub_overflow(countdown, (uint64_t)(size), &countdown), 0)
 static double mean_bytes;
 static uint64_t rng_state;
 static PyObject *labels_var;             /* the ContextVar, strong reference */
@@ -162,20 +167,22 @@ static buffer_t *current;                /* the buffer hooks write; drain() read
 static slot_t *table;
 static uint64_t table_mask;
 static int table_bits;
-/* One bit per hash of a tracked address: a free whose bit is clear (almost every free) needs
- * no probe of the table, which is megabytes and would cost a cache miss per free. The bit and
- * the table slot are the top bits of the same hash, the filter at least as many as the table,
- * so every address of one bit has the same home slot: a removal clears its bit unless another
- * tracked address of that bit is in the home slot's probe run. No bit is ever stale, which
- * matters because pymalloc hands a freed block's address straight back out: a stale bit would
- * cost a probe on nearly every free of its size class. */
-#define MIN_FILTER_BITS 18
-/* The filter while there is no table (before start, after stop, hooks left idle): all clear, so
- * the free path needs no other test. With a shift of 63 every address maps to bit 0 or 1. */
+/* One bit per 16-byte granule of address space, direct-mapped (a granule's bit is its address
+ * bits 4 and up, modulo the filter's size): a free whose bit is clear (almost every free) needs
+ * no probe of the table, which is megabytes and would cost a cache miss per free. Direct mapping
+ * keeps the free path to a shift, a mask and a bit test, with no multiply, and frees land near
+ * recent allocations, so the filter words they read are the few the heap's hot part maps to.
+ * The table's home slot of an address is a hash of its bit, so every tracked address of one bit
+ * is in the probe run that starts at that home slot: a removal clears its bit unless another
+ * tracked address of that bit is there. No bit is ever stale, which matters because pymalloc
+ * hands a freed block's address straight back out: a stale bit would cost a probe on nearly
+ * every free of its size class. */
+#define MIN_FILTER_BITS 20
+/* The filter while there is no table (before start, after stop, hooks left idle): one word all
+ * clear, which every address maps to, so the free path needs no other test. */
 static uint64_t zero_filter[1];
-#define ZERO_FILTER_SHIFT 63
 static uint64_t *filter = zero_filter;
-static int filter_shift = ZERO_FILTER_SHIFT; /* 64 - the filter's bits */
+static uint64_t filter_word_mask = 0;  /* the filter's words - 1 */
 static uint32_t max_tracked;
 static uint32_t ntracked;
 
@@ -253,30 +260,25 @@ next_gap(void)
 
 /* --- the in-use table: linear probing, backward-shift deletion -------------------------------- */
 
+/* The filter bit of an address: its granule number modulo the filter's bits. */
 static inline uint64_t
-address_hash(uintptr_t ptr)
+filter_bit(uintptr_t ptr)
 {
-    /* Blocks are 16-byte aligned: drop the zero bits, then Fibonacci hashing (high bits). */
-    return ((uint64_t)ptr >> 4) * 0x9E3779B97F4A7C15ULL;
+    return ((uint64_t)ptr >> 4) & ((filter_word_mask << 6) | 63);
 }
 
 static inline uint64_t
 slot_of(uintptr_t ptr)
 {
-    return address_hash(ptr) >> (64 - table_bits);
-}
-
-static inline uint64_t
-filter_bit(uintptr_t ptr)
-{
-    return address_hash(ptr) >> filter_shift;
+    /* Fibonacci hashing of the filter bit (high bits): addresses of one bit share a home. */
+    return (filter_bit(ptr) * 0x9E3779B97F4A7C15ULL) >> (64 - table_bits);
 }
 
 static inline int
 filter_may_hold(uintptr_t ptr)
 {
-    uint64_t bit = filter_bit(ptr);
-    return (filter[bit >> 6] >> (bit & 63)) & 1;
+    uint64_t granule = (uint64_t)ptr >> 4;
+    return (filter[(granule >> 6) & filter_word_mask] >> (granule & 63)) & 1;
 }
 
 static inline void
@@ -626,7 +628,7 @@ read_labels(void)
 #endif
 }
 
-/* The slow path: `ptr` (`size` bytes) took the countdown to zero or below. */
+/* The slow path: `ptr` (`size` bytes) took the countdown past zero. */
 static __attribute__((noinline)) void
 sample_block(void *ptr, size_t size)
 {
@@ -635,8 +637,9 @@ sample_block(void *ptr, size_t size)
     record_t *rec;
     PyObject *labels = NULL;
 
-    /* The next gap starts at this block's end (the process is memoryless). */
-    countdown = next_gap();
+    /* The next gap starts at this block's end (the process is memoryless); the block that
+     * ends it is the one that takes more than gap - 1 bytes. */
+    countdown = (uint64_t)next_gap() - 1;
     if (in_module) {
         n_reentered++;
         return;
@@ -681,7 +684,7 @@ sample_block(void *ptr, size_t size)
  * of line. Sampling off, the countdown is out of reach (IDLE_COUNTDOWN) and the filter all
  * clear (zero_filter), so neither path tests `active`. */
 
-/* `ptr` took the countdown to zero or below: sample it, unless sampling is off. */
+/* `ptr` took the countdown past zero: sample it, unless sampling is off. */
 static __attribute__((noinline)) void
 countdown_reached(void *ptr, size_t size)
 {
@@ -692,7 +695,10 @@ countdown_reached(void *ptr, size_t size)
     if (ptr != NULL) {
         sample_block(ptr, size);
     }
-    /* A failed allocation leaves the countdown spent: the next one is sampled. */
+    else {
+        /* A failed allocation leaves the countdown spent: the next one is sampled. */
+        countdown = 0;
+    }
 }
 
 /* The slow part of forget(): `ptr` may be tracked. */
@@ -739,16 +745,59 @@ malloc_sampled(domain_hook_t *hook, size_t size)
     return ptr;
 }
 
-static void *
-hook_malloc(void *ctx, size_t size)
-{
-    domain_hook_t *hook = (domain_hook_t *)ctx;
-    countdown -= (int64_t)size;
-    if (__builtin_expect(countdown <= 0, 0)) {
-        return malloc_sampled(hook, size);
+/* The hooks of one domain. Each reads the previous allocator from its domain's static struct
+ * (an address the linker knows) rather than through ctx, so the pass-through is two
+ * instructions: load the previous ctx, jump through the previous function. */
+#define DOMAIN_HOOKS(NAME, HOOK)                                                                 \
+    static void *hook_malloc_##NAME(void *Py_UNUSED(ctx), size_t size)                            \
+    {                                                                                            \
+        if (COUNT_DOWN(size)) {                                                                  \
+            return malloc_sampled(&HOOK, size);                                                  \
+        }                                                                                        \
+        return HOOK.previous.malloc(HOOK.previous.ctx, size);                                    \
+    }                                                                                            \
+                                                                                                 \
+    static void *hook_calloc_##NAME(void *Py_UNUSED(ctx), size_t nelem, size_t elsize)            \
+    {                                                                                            \
+        size_t size;                                                                             \
+        if (__builtin_mul_overflow(nelem, elsize, &size)) {                                      \
+            /* The previous allocator refuses it; nothing is counted. */                        \
+            return HOOK.previous.calloc(HOOK.previous.ctx, nelem, elsize);                       \
+        }                                                                                        \
+        if (COUNT_DOWN(size)) {                                                                  \
+            return calloc_sampled(&HOOK, nelem, elsize);                                         \
+        }                                                                                        \
+        return HOOK.previous.calloc(HOOK.previous.ctx, nelem, elsize);                           \
+    }                                                                                            \
+                                                                                                 \
+    static void *hook_realloc_##NAME(void *Py_UNUSED(ctx), void *old, size_t new_size)            \
+    {                                                                                            \
+        void *ptr = HOOK.previous.realloc(HOOK.previous.ctx, old, new_size);                     \
+        if (ptr != NULL) {                                                                       \
+            /* The old block is gone (moved or resized): a new block of new_size takes its       \
+             * place. Only the old address is looked at, so forgetting it after the call is     \
+             * safe. */                                                                          \
+            if (may_be_tracked(old)) {                                                           \
+                forget_tracked(old);                                                             \
+            }                                                                                    \
+            if (COUNT_DOWN(new_size)) {                                                          \
+                countdown_reached(ptr, new_size);                                                \
+            }                                                                                    \
+        }                                                                                        \
+        return ptr;                                                                              \
+    }                                                                                            \
+                                                                                                 \
+    static void hook_free_##NAME(void *Py_UNUSED(ctx), void *ptr)                                 \
+    {                                                                                            \
+        /* Only the address is looked at, so the block can be forgotten before it is freed;     \
+         * the free is then the last call (a jump, not a call frame more on the hottest         \
+         * path). */                                                                             \
+        if (may_be_tracked(ptr)) {                                                               \
+            free_tracked(&HOOK, ptr);                                                            \
+            return;                                                                              \
+        }                                                                                        \
+        HOOK.previous.free(HOOK.previous.ctx, ptr);                                              \
     }
-    return hook->previous.malloc(hook->previous.ctx, size);
-}
 
 static __attribute__((noinline)) void *
 calloc_sampled(domain_hook_t *hook, size_t nelem, size_t elsize)
@@ -759,41 +808,6 @@ calloc_sampled(domain_hook_t *hook, size_t nelem, size_t elsize)
     return ptr;
 }
 
-static void *
-hook_calloc(void *ctx, size_t nelem, size_t elsize)
-{
-    domain_hook_t *hook = (domain_hook_t *)ctx;
-    size_t size;
-    if (__builtin_mul_overflow(nelem, elsize, &size)) {
-        /* The previous allocator refuses it; nothing is counted. */
-        return hook->previous.calloc(hook->previous.ctx, nelem, elsize);
-    }
-    countdown -= (int64_t)size;
-    if (__builtin_expect(countdown <= 0, 0)) {
-        return calloc_sampled(hook, nelem, elsize);
-    }
-    return hook->previous.calloc(hook->previous.ctx, nelem, elsize);
-}
-
-static void *
-hook_realloc(void *ctx, void *old, size_t new_size)
-{
-    domain_hook_t *hook = (domain_hook_t *)ctx;
-    void *ptr = hook->previous.realloc(hook->previous.ctx, old, new_size);
-    if (ptr != NULL) {
-        /* The old block is gone (moved or resized): a new block of new_size takes its place.
-         * Only the old address is looked at, so forgetting it after the call is safe. */
-        if (may_be_tracked(old)) {
-            forget_tracked(old);
-        }
-        countdown -= (int64_t)new_size;
-        if (__builtin_expect(countdown <= 0, 0)) {
-            countdown_reached(ptr, new_size);
-        }
-    }
-    return ptr;
-}
-
 static __attribute__((noinline)) void
 free_tracked(domain_hook_t *hook, void *ptr)
 {
@@ -801,18 +815,23 @@ free_tracked(domain_hook_t *hook, void *ptr)
     hook->previous.free(hook->previous.ctx, ptr);
 }
 
-static void
-hook_free(void *ctx, void *ptr)
-{
-    domain_hook_t *hook = (domain_hook_t *)ctx;
-    /* Only the address is looked at, so the block can be forgotten before it is freed; the
-     * free is then the last call (a jump, not a call frame more on the hottest path). */
-    if (may_be_tracked(ptr)) {
-        free_tracked(hook, ptr);
-        return;
-    }
-    hook->previous.free(hook->previous.ctx, ptr);
-}
+DOMAIN_HOOKS(obj, hook_obj)
+DOMAIN_HOOKS(mem, hook_mem)
+
+static const PyMemAllocatorEx ours_obj = {
+    .ctx = &hook_obj,
+    .malloc = hook_malloc_obj,
+    .calloc = hook_calloc_obj,
+    .realloc = hook_realloc_obj,
+    .free = hook_free_obj,
+};
+static const PyMemAllocatorEx ours_mem = {
+    .ctx = &hook_mem,
+    .malloc = hook_malloc_mem,
+    .calloc = hook_calloc_mem,
+    .realloc = hook_realloc_mem,
+    .free = hook_free_mem,
+};
 
 /* --- buffers ---------------------------------------------------------------------------------- */
 
@@ -837,7 +856,7 @@ free_state(void)
     uint64_t *bits = filter;
     /* First: the releases below free objects through the hooks, whose free path must then
      * find no bit set (and so never look for the table). */
-    filter_shift = ZERO_FILTER_SHIFT;
+    filter_word_mask = 0;
     filter = zero_filter;
     ntracked = 0;
     for (i = 0; i < 2; i++) {
@@ -862,12 +881,15 @@ free_state(void)
     span_clear();
 }
 
+/* alloc_state's filter size in bits; 0: the table's, and at least MIN_FILTER_BITS. */
+static int requested_filter_bits;
+
 static int
 alloc_state(void)
 {
     uint64_t size = 2;
     uint64_t *bits;
-    int i, shift;
+    int i, filter_bits;
     table_bits = 1;
     while (size < 2 * (uint64_t)max_tracked) {
         size <<= 1;
@@ -875,8 +897,12 @@ alloc_state(void)
     }
     table = PyMem_RawCalloc((size_t)size, sizeof(slot_t));
     table_mask = size - 1;
-    shift = 64 - (table_bits > MIN_FILTER_BITS ? table_bits : MIN_FILTER_BITS);
-    bits = PyMem_RawCalloc((size_t)1 << (64 - shift - 6), sizeof(uint64_t));
+    /* At least as many bits as table slots, so the homes of distinct bits spread over all. */
+    filter_bits = table_bits > MIN_FILTER_BITS ? table_bits : MIN_FILTER_BITS;
+    if (requested_filter_bits != 0) {
+        filter_bits = requested_filter_bits;
+    }
+    bits = PyMem_RawCalloc((size_t)1 << (filter_bits - 6), sizeof(uint64_t));
     for (i = 0; i < 2; i++) {
         buffers[i].records = PyMem_RawCalloc(max_records, sizeof(record_t));
         buffers[i].frames = PyMem_RawCalloc(max_pool_frames, sizeof(raw_frame_t));
@@ -889,8 +915,9 @@ alloc_state(void)
         PyMem_RawFree(bits);
         goto fail;
     }
+    /* The table first: a free that sees a bit of the new filter probes it. */
     filter = bits;
-    filter_shift = shift;
+    filter_word_mask = ((uint64_t)1 << (filter_bits - 6)) - 1;
     current = &buffers[0];
     return 0;
 fail:
@@ -932,16 +959,17 @@ alloc_unsupported(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
     return PyUnicode_FromString(reason);
 }
 
+/* The hooks a domain gets: ours_obj or ours_mem. */
+static const PyMemAllocatorEx *
+ours_for(domain_hook_t *hook)
+{
+    return hook == &hook_obj ? &ours_obj : &ours_mem;
+}
+
 static int
 install(domain_hook_t *hook)
 {
-    PyMemAllocatorEx ours = {
-        .ctx = hook,
-        .malloc = hook_malloc,
-        .calloc = hook_calloc,
-        .realloc = hook_realloc,
-        .free = hook_free,
-    };
+    PyMemAllocatorEx ours = *ours_for(hook);
     PyMem_GetAllocator(hook->domain, &hook->previous);
     PyMem_SetAllocator(hook->domain, &ours);
     hook->installed = 1;
@@ -953,7 +981,7 @@ is_ours(domain_hook_t *hook)
 {
     PyMemAllocatorEx now;
     PyMem_GetAllocator(hook->domain, &now);
-    return now.malloc == hook_malloc && now.ctx == hook;
+    return now.malloc == ours_for(hook)->malloc && now.ctx == hook;
 }
 
 #ifndef Py_T_OBJECT_EX
@@ -989,7 +1017,7 @@ map_slot_offset(PyTypeObject *type)
 
 PyDoc_STRVAR(start_doc,
 "start(labels_var, mean_bytes, max_samples, max_tracked, max_frames, mem_domain, seed,\n"
-"      labelset_type=None, span_key=None)\n"
+"      labelset_type=None, span_key=None, filter_bits=0)\n"
 "--\n"
 "\n"
 "Install the hooks and start sampling about one block per ``mean_bytes`` allocated.\n"
@@ -999,7 +1027,9 @@ PyDoc_STRVAR(start_doc,
 "memory, ``max_frames`` the frames kept per stack (leaf first). ``mem_domain`` also hooks\n"
 "PYMEM_DOMAIN_MEM (honoured on 3.12+ only). ``seed`` 0 seeds from the clock. With\n"
 "``labelset_type`` (a class keeping its labels in a dict slot ``_map``), samples whose labels\n"
-"are one also add to their ``span_key`` label's total, read by take_span(). Raises\n"
+"are one also add to their ``span_key`` label's total, read by take_span(). ``filter_bits``\n"
+"sizes the free path's filter (0: by ``max_tracked``); tests make it small, so that addresses\n"
+"share bits. Raises\n"
 "RuntimeError when sampling cannot run here or already runs.");
 
 static PyObject *
@@ -1013,9 +1043,10 @@ alloc_start(PyObject *Py_UNUSED(module), PyObject *args)
 
     PyObject *set_type = Py_None, *key = Py_None;
     Py_ssize_t map_offset = 0;
+    int filter_bits = 0;
 
-    if (!PyArg_ParseTuple(args, "OdKKKpK|OO:start", &var, &mean, &samples, &tracked, &frames,
-                          &mem_domain, &seed, &set_type, &key)) {
+    if (!PyArg_ParseTuple(args, "OdKKKpK|OOi:start", &var, &mean, &samples, &tracked, &frames,
+                          &mem_domain, &seed, &set_type, &key, &filter_bits)) {
         return NULL;
     }
     if (reason != NULL) {
@@ -1058,6 +1089,11 @@ alloc_start(PyObject *Py_UNUSED(module), PyObject *args)
                         "max_frames in [1, 1024]");
         return NULL;
     }
+    if (filter_bits != 0 && (filter_bits < 6 || filter_bits > 30)) {
+        PyErr_SetString(PyExc_ValueError, "filter_bits must be 0 or in [6, 30]");
+        return NULL;
+    }
+    requested_filter_bits = filter_bits;
     max_records = (uint32_t)samples;
     max_frames = (uint16_t)frames;
     /* Room for max_frames on the deepest stack, 32 frames per sample on average. */
@@ -1090,7 +1126,7 @@ alloc_start(PyObject *Py_UNUSED(module), PyObject *args)
     if (rng_state == 0) {
         rng_state = 0x9E3779B97F4A7C15ULL;
     }
-    countdown = next_gap();
+    countdown = (uint64_t)next_gap() - 1;
     main_interp = PyInterpreterState_Main();
     n_samples = n_dropped = n_untracked = n_frees = n_lost_frees = n_probes = 0;
     n_reentered = n_foreign = n_truncated = 0;

@@ -21,6 +21,7 @@ def start(
     seed: int,
     labelset_type: type | None = None,
     span_key: str | None = None,
+    filter_bits: int = 0,
     /,
 ) -> None:
     """Install the hooks and sample about one block per ``mean_bytes`` allocated."""

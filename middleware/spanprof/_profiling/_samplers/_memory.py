@@ -86,6 +86,8 @@ class MemorySampler:
         drain_interval: seconds between two drains of the C buffers.
         mem_domain: also sample ``PyMem_Malloc`` (lists' and dicts' arrays; on 3.12+ only).
         seed: the sampler's random seed (0: from the clock).
+        filter_bits: size of the free path's filter of tracked addresses, in bits (0: by
+            ``max_tracked``). Tests make it small, so that tracked addresses share bits.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class MemorySampler:
         drain_interval: float = 0.25,
         mem_domain: bool = True,
         seed: int = 0,
+        filter_bits: int = 0,
     ) -> None:
         if not 1 <= sample_bytes <= 1 << 40:
             raise ValueError(f"alloc_sample_bytes: expected 1 to 2**40 bytes, got {sample_bytes}")
@@ -108,6 +111,7 @@ class MemorySampler:
         self.drain_interval = drain_interval
         self.mem_domain = mem_domain
         self.seed = seed
+        self.filter_bits = filter_bits
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -161,6 +165,7 @@ class MemorySampler:
                     self.seed,
                     LabelSet,
                     "span_id",
+                    self.filter_bits,
                 )
             except RuntimeError as exc:
                 raise MemorySamplerUnavailable(str(exc)) from exc
