@@ -412,8 +412,12 @@ class ProfileBuilder:
         # cache their hash) as the merge key.
         self._stack_locations: dict[int, tuple[Sequence[Frame], bytes]] = {}
         self._label_cache: dict[tuple[str, str], bytes] = {}
-        self._samples: list[tuple[bytes, tuple[bytes, ...], list[int]]] = []
-        self._sample_index: dict[tuple[bytes, tuple[tuple[str, str], ...]], int] = {}
+        # A label tuple's encoded sample.label fields, by the tuple's id (the tuple kept, as
+        # for stacks): a LabelSet hands out one cached tuple, and a span's labels come once per
+        # stack it has, so they are encoded once and the merge key hashes bytes, not pairs.
+        self._label_fields: dict[int, tuple[Sequence[tuple[str, str]], bytes]] = {}
+        self._samples: list[tuple[bytes, bytes, list[int]]] = []
+        self._sample_index: dict[tuple[bytes, bytes], int] = {}
         # Header strings are interned up front so the string table is complete
         # whenever build() runs.
         for t, u in (*self._sample_types, self._period_type):
@@ -507,17 +511,24 @@ class ProfileBuilder:
             locations = self._locations_field(stack)
             if type(stack) is tuple:  # a list could change under the same id
                 self._stack_locations[id(stack)] = (stack, locations)
-        label_key = tuple(labels)
+        cached_labels = self._label_fields.get(id(labels))
+        if cached_labels is not None and cached_labels[0] is labels:
+            label_field = cached_labels[1]
+        else:
+            label_field = self._labels_field(labels, ())
+            if type(labels) is tuple:  # a list could change under the same id
+                self._label_fields[id(labels)] = (labels, label_field)
         if num_labels:
             # Numeric labels are rare (Python agents never emit them): do not bother
             # merging, just keep such samples separate.
-            self._append(locations, label_key, tuple(num_labels), values)
+            label_field += self._labels_field((), num_labels)
+            self._samples.append((locations, label_field, values))
             return
-        key = (locations, label_key)
+        key = (locations, label_field)
         idx = self._sample_index.get(key)
         if idx is None:
             self._sample_index[key] = len(self._samples)
-            self._append(locations, label_key, (), values)
+            self._samples.append((locations, label_field, values))
         else:
             acc = self._samples[idx][2]
             for i, v in enumerate(values):
@@ -528,21 +539,21 @@ class ProfileBuilder:
         put_packed_varints_field(field, _S_LOCATION_ID, [self._location_id(f) for f in stack])
         return bytes(field)
 
-    def _append(
-        self,
-        locations: bytes,
-        labels: tuple[tuple[str, str], ...],
-        num_labels: tuple[tuple[str, int, str], ...],
-        values: list[int],
-    ) -> None:
-        encoded = tuple(self._label_bytes(p) for p in labels) + tuple(
-            self._num_label_bytes(n) for n in num_labels
-        )
-        self._samples.append((locations, encoded, values))
+    def _labels_field(
+        self, labels: Sequence[tuple[str, str]], num_labels: Sequence[tuple[str, int, str]]
+    ) -> bytes:
+        """The sample.label fields of ``labels`` then ``num_labels``, in order."""
+        field = bytearray()
+        for pair in labels:
+            put_bytes_field(field, _S_LABEL, self._label_bytes(pair))
+        for num in num_labels:
+            put_bytes_field(field, _S_LABEL, self._num_label_bytes(num))
+        return bytes(field)
 
     def _add_unmerged(self, sample: Sample) -> None:
         locations = self._locations_field(sample.stack)
-        self._append(locations, sample.labels, sample.num_labels, self._values(sample.values))
+        label_field = self._labels_field(sample.labels, sample.num_labels)
+        self._samples.append((locations, label_field, self._values(sample.values)))
 
     def build(self, *, time_nanos: int = 0, duration_nanos: int = 0) -> bytes:
         """Serialise the profile as raw (not gzip-compressed) pprof bytes."""
@@ -554,11 +565,10 @@ class ProfileBuilder:
             put_varint_field(vt, _VT_UNIT, strings[u])
             put_bytes_field(buf, _P_SAMPLE_TYPE, vt)
         msg = bytearray()
-        for locations, labels, values in self._samples:
+        for locations, label_field, values in self._samples:
             msg[:] = locations
             put_packed_varints_field(msg, _S_VALUE, values)
-            for lab in labels:
-                put_bytes_field(msg, _S_LABEL, lab)
+            msg += label_field
             put_bytes_field(buf, _P_SAMPLE, msg)
         buf += self._location_buf
         buf += self._function_buf
