@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from ._report import Section, Verdict, markdown_table
-from .bench_breakdown import VARIANTS, drive_part
+from .bench_breakdown import PART_WARMUP, VARIANTS, drive_part
 from .bench_engine import TASKS
 from .bench_memory import JSON_WARMUP, drive_json
 
@@ -260,7 +260,12 @@ def run(quick: bool) -> Section:
         "the profiler's ticks at 1 Hz, no upload and the allocation sampler drained only at "
         "stop, so that only what each request pays itself is counted (the drain thread and "
         "the ticks run per second of wall or CPU time, which callgrind stretches about 50x; "
-        "the ticks' cost is the breakdown section's 100 Hz row minus its 1 Hz row).",
+        "the ticks' cost is the breakdown section's 100 Hz row minus its 1 Hz row). The "
+        f"counted requests follow {PART_WARMUP:,} of warm-up: the allocation sampler interns "
+        "each stack it meets once for the process's life, and a trivial request leaves one "
+        "sample per ~12 requests over a few hundred distinct stacks, so after a short warm-up "
+        "(200, until 2026-12-02) those first sightings were counted as per-request work "
+        "(exact default then: +3.9%).",
         markdown_table(
             ["variant", "instructions/request", "over no profiler", "share"], exact_rows
         ),

@@ -158,19 +158,26 @@ def _child(argv: list[str]) -> None:
     runtimes = {name: ProfilerRuntime(backend) for name, backend in backends.items()}
 
     loop = asyncio.new_event_loop()
-    results: dict[str, list[float]] = {"on": [], "off": [], "on_wall": [], "off_wall": []}
+    # "off_again" is memory off a second time: off / off_again is the A/A ratio, what the
+    # machine's own noise does to a ratio of two rounds side by side.
+    arms = ["on", "off", "off_again"]
+    results: dict[str, list[float]] = {key: [] for name in arms for key in (name, f"{name}_wall")}
     stats: list[dict[str, float]] = []
     try:
-        loop.run_until_complete(drive(args.size))  # warm-up
+        for name in ("on", "off"):  # warm-up: caches, and the stacks the sampler interns
+            runtimes[name].start()
+            loop.run_until_complete(drive(20 * args.size))
+            runtimes[name].stop()
         for index in range(args.rounds):
-            order = ["off", "on"] if index % 2 else ["on", "off"]
-            for name in order:
+            shift = index % len(arms)
+            for name in arms[shift:] + arms[:shift]:
+                runtime = runtimes["off" if name == "off_again" else name]
                 gc.collect()
-                runtimes[name].start()
+                runtime.start()
                 cpu, wall = loop.run_until_complete(drive(args.size))
                 if name == "on":
                     stats.append(backends[name].stats())
-                runtimes[name].stop()
+                runtime.stop()
                 results[name].append(cpu / args.size / 1000)
                 results[f"{name}_wall"].append(wall / args.size / 1000)
     finally:
@@ -245,21 +252,31 @@ def per_block(rounds: int, count: int) -> dict[str, Spread]:
 def run(quick: bool) -> Section:
     """Throughput with memory sampling on vs off, then the per-block costs."""
     section = Section("memory", "Memory profiles: the cost of sampling allocations")
-    rounds, size = (21, 50) if quick else (61, 100)
+    # Short rounds: on this machine the ratio of two identical rounds of a bare JSON loop side
+    # by side spreads about 4x as wide at 100 requests as at 5 (IQR 0.86..1.03 against
+    # 0.98..1.02), so many short rounds resolve a few percent and a few long ones do not (61
+    # rounds of 100 gave IQR 0.81..1.02). The A/A ratio in the table shows each run's
+    # resolution.
+    rounds, size = (100, 8) if quick else (1000, 8)
     data, memory_pushes = _throughput(rounds, size)
     results = data["results"]
     ratio = paired_ratios(results["off"], results["on"])
     wall_ratio = paired_ratios(results["off_wall"], results["on_wall"])
+    same = paired_ratios(results["off"], results["off_again"])
     samples = sum(float(s.get("memory_samples", 0)) for s in data["stats"])
     blocks = per_block(5 if quick else 15, 200_000)
     section.body += [
         f"**Throughput.** A Starlette `POST /json` through `ProfilingMiddleware` that decodes a "
         f"{data['body'] / 1024:.0f} KB JSON body and encodes it back, driven in-process in a "
-        f"child process: {rounds} rounds of {size} requests alternate between the exact profiler "
-        "with memory sampling at the default 512 KiB (`ExactBackend()`) and with `memory=False`, "
-        f"each started for its round (1 s uploads to a receiver: {memory_pushes} memory pushes, "
-        f"{samples:.0f} allocation samples). Ratio = per-request time off / on, median of "
-        "per-round ratios.",
+        f"child process: {rounds} rounds of {size} requests, after {20 * size} of warm-up with "
+        "each, rotate between the exact profiler with memory sampling at the default 512 KiB "
+        "(`ExactBackend()`), with `memory=False`, and with `memory=False` again (the A/A "
+        "control), each started for its round and stopped after it (its window pushed at the "
+        f"stop to a receiver: {memory_pushes} memory pushes, {samples:.0f} allocation "
+        "samples). Ratio = per-request time off / on, median of per-round ratios. The CPU is "
+        "the driving thread's: the hooks and the sampling on the request path; the drains and "
+        "the encoding run on the profiler's threads, and the instructions section counts them "
+        "with the rest.",
         markdown_table(
             ["measure", "value"],
             [
@@ -272,6 +289,10 @@ def run(quick: bool) -> Section:
                 [
                     "throughput ratio, wall",
                     f"{wall_ratio.median:.3f} (IQR {wall_ratio.q1:.3f}..{wall_ratio.q3:.3f})",
+                ],
+                [
+                    "A/A ratio, memory off / off again (CPU)",
+                    f"{same.median:.3f} (IQR {same.q1:.3f}..{same.q3:.3f})",
                 ],
             ],
         ),
