@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from itertools import repeat
 from pathlib import Path
@@ -165,6 +166,45 @@ def test_exact_backend_pushes_memory_labelled_by_span() -> None:
     assert series[0].label("__delta__") == "false"
     assert series[0].label("service_name") == "unit"
     check_kept_and_freed(samples, mean)
+
+
+@pytest.mark.engine
+@MEMORY_VERSIONS
+def test_the_exporters_own_allocations_are_not_sampled() -> None:
+    """The upload threads encode, compress and send windows: what they allocate is the
+    profiler's work, nobody's memory, and must not show in the memory profile (the drain
+    thread and the CPU sampler's handler are kept out the same way)."""
+    _available()
+    with PushReceiver() as receiver:
+        backend = ExactBackend(
+            server_address=receiver.url,
+            application_name="unit",
+            upload_interval=1,
+            alloc_sample_bytes=16 * 1024,
+        )
+        runtime = ProfilerRuntime(backend)
+        runtime.start()
+        try:
+            with labels_scope(FREED):
+                deadline = time.monotonic() + 3.5  # three uploads of CPU and memory each
+                while time.monotonic() < deadline:
+                    frees_memory(2_000)
+                    MARKERS[5](0.02)
+        finally:
+            runtime.stop()
+        samples = receiver.samples("memory")
+        assert receiver.errors == []
+    assert _memory_rows(samples, "frees_memory"), "the application's allocations are missing"
+    # Stacks through an export thread's loop (the receiver here decodes in this process too,
+    # with the same encoders: its allocations are this process's, and nobody's request's).
+    exporting = sorted(
+        {
+            " < ".join(f"{f.function} ({Path(f.filename).name})" for f in sample.stack[:3])
+            for sample in samples
+            if any("_exporters" in frame.filename for frame in sample.stack)
+        }
+    )
+    assert exporting == [], exporting
 
 
 def check_kept_and_freed(samples: list[ReceivedSample], mean: int) -> None:

@@ -610,7 +610,9 @@ def test_stop_all_flushes_exporters_side_by_side() -> None:
         def __init__(self, name: str) -> None:
             self.name = name
 
-        def start(self, collect: Callable[[], Window]) -> None:
+        def start(
+            self, collect: Callable[[], Window], thread_init: Callable[[], None] | None = None
+        ) -> None:
             return None
 
         def stop(self) -> None:

@@ -29,7 +29,12 @@ from ._exporters._otlp import OtlpEncoderFactory, OtlpExporter, OtlpSettings
 from ._exporters._pusher import Pusher, StepEncoder
 from ._hold import SloHold
 from ._pyroscope import PyroscopeBackend
-from ._samplers._memory import DEFAULT_SAMPLE_BYTES, MemorySampler, MemorySamplerUnavailable
+from ._samplers._memory import (
+    DEFAULT_SAMPLE_BYTES,
+    MemorySampler,
+    MemorySamplerUnavailable,
+    ignore_profiler_thread,
+)
 from ._samplers._signal import (
     CLOCKS,
     Sampler,
@@ -349,7 +354,7 @@ class ExactBackend(WithPyroscopeSettings):
             hold = SloHold(sampler.take_window, max_windows=2)
             fanout = WindowFanout(hold.take_window, len(exporters))
             for i, exporter in enumerate(exporters):
-                exporter.start(fanout.collector(i))
+                exporter.start(fanout.collector(i), ignore_profiler_thread)
             try:
                 sampler.start()  # armed last
             except SamplerUnavailable as exc:
@@ -555,7 +560,7 @@ class ExactBackend(WithPyroscopeSettings):
         hold = SloHold(sampler.take_window, max_windows=2)
         fanout = WindowFanout(hold.take_window, len(exporters))
         for i, (_prefix, exporter) in enumerate(exporters):
-            exporter.start(fanout.collector(i))
+            exporter.start(fanout.collector(i), ignore_profiler_thread)
         self._memory_exporters = exporters
         self._memory_hold = hold
         logger.info(

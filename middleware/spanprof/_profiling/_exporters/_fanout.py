@@ -15,9 +15,10 @@ import threading
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
+from ..._logging import log_once
 from .._window import MemoryWindow, Window
 
-__all__ = ["WindowExporter", "WindowFanout", "stop_all"]
+__all__ = ["WindowExporter", "WindowFanout", "run_thread_init", "stop_all"]
 
 _K = TypeVar("_K")
 
@@ -25,11 +26,24 @@ _K = TypeVar("_K")
 class WindowExporter(Protocol):
     """What the exact backend needs of an exporter (``Pusher``, ``OtlpExporter``)."""
 
-    def start(self, collect: Callable[[], Window]) -> None: ...
+    def start(
+        self, collect: Callable[[], Window], thread_init: Callable[[], None] | None = None
+    ) -> None: ...
 
     def stop(self) -> None: ...
 
     def stats(self) -> dict[str, float]: ...
+
+
+def run_thread_init(thread_init: Callable[[], None] | None) -> None:
+    """Run an exporter's ``thread_init`` first thing in its thread: a failure is logged once
+    and the thread goes on (it only loses what the init would have set up)."""
+    if thread_init is None:
+        return
+    try:
+        thread_init()
+    except Exception:
+        log_once("exporter-thread-init", "spanprof: an export thread's setup failed")
 
 
 def _sum(first: dict[_K, int], second: dict[_K, int]) -> dict[_K, int]:

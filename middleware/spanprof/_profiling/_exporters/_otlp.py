@@ -40,6 +40,7 @@ from .._encoders._otlp import (
 )
 from .._encoders._protowire import ProtoDecodeError, as_bytes, as_int, as_str, iter_fields
 from .._window import Window
+from ._fanout import run_thread_init
 from ._otlp_grpc import GrpcTransport, grpc_available
 from ._steps import StepTimer
 
@@ -337,6 +338,7 @@ class OtlpExporter:
         self._retry_at = 0.0
         self._conn: http.client.HTTPConnection | None = None
         self._collect: Callable[[], Window] | None = None
+        self._thread_init: Callable[[], None] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.uploads = 0
@@ -353,9 +355,15 @@ class OtlpExporter:
 
     # --- lifecycle ------------------------------------------------------------------------------
 
-    def start(self, collect: Callable[[], Window]) -> None:
-        """Start the export thread; ``collect()`` hands over the samples of each interval."""
+    def start(
+        self, collect: Callable[[], Window], thread_init: Callable[[], None] | None = None
+    ) -> None:
+        """Start the export thread; ``collect()`` hands over the samples of each interval.
+
+        ``thread_init()``, if given, runs first in the export thread.
+        """
         self._collect = collect
+        self._thread_init = thread_init
         self._stop.clear()
         self._thread = threading.Thread(
             target=self._run, name="spanprof-otlp-exporter", daemon=True
@@ -389,6 +397,7 @@ class OtlpExporter:
     # --- the export thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        run_thread_init(self._thread_init)
         next_upload = time.monotonic() + self.upload_interval
         while True:
             wake_at = next_upload

@@ -41,6 +41,7 @@ from ..._version import __version__
 from .._encoders._push import PUSH_CONTENT_TYPE, PUSH_PATH, encode_push_request
 from .._encoders._window import WindowEncoder
 from .._window import Window
+from ._fanout import run_thread_init
 from ._steps import StepTimer
 
 __all__ = ["Pusher", "StepEncoder"]
@@ -146,6 +147,7 @@ class Pusher:
         self._stop_deadline = float("inf")
         self._conn: _DeadlineHTTP | _DeadlineHTTPS | None = None
         self._collect: Callable[[], Window] | None = None
+        self._thread_init: Callable[[], None] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.uploads = 0
@@ -161,9 +163,16 @@ class Pusher:
 
     # --- lifecycle ------------------------------------------------------------------------------
 
-    def start(self, collect: Callable[[], Window]) -> None:
-        """Start the upload thread; ``collect()`` hands over the samples of each interval."""
+    def start(
+        self, collect: Callable[[], Window], thread_init: Callable[[], None] | None = None
+    ) -> None:
+        """Start the upload thread; ``collect()`` hands over the samples of each interval.
+
+        ``thread_init()``, if given, runs first in the upload thread (the exact backend keeps
+        the thread's allocations out of the memory profile with it).
+        """
         self._collect = collect
+        self._thread_init = thread_init
         self._stop.clear()
         self._stop_deadline = float("inf")
         self._thread = threading.Thread(target=self._run, name="spanprof-exact-pusher", daemon=True)
@@ -201,6 +210,7 @@ class Pusher:
     # --- the upload thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        run_thread_init(self._thread_init)
         next_upload = time.monotonic() + self.upload_interval
         while True:
             wake_at = next_upload

@@ -40,6 +40,7 @@ __all__ = [
     "DEFAULT_SAMPLE_BYTES",
     "MemorySampler",
     "MemorySamplerUnavailable",
+    "ignore_profiler_thread",
     "memory_unavailable_reason",
 ]
 
@@ -207,11 +208,7 @@ class MemorySampler:
         self._inuse.clear()
 
     def _run(self) -> None:
-        # Under gevent this "thread" is a greenlet of the main OS thread, which runs the
-        # application (and the CPU sampler's signal handler): leave that thread alone.
-        if not in_main_os_thread():
-            # What this thread allocates is the sampler's own work, nobody's request.
-            _ignore_thread(True)
+        ignore_profiler_thread()
         while not self._stop.wait(self.drain_interval):
             self.drain()
 
@@ -388,6 +385,17 @@ def _intern(tables: StackTables, codes: tuple[CodeType, ...], lastis: tuple[int,
             fid = tables.raw_frame(code, lasti, line_of(code, lasti))
         ids.append(fid)
     return tables.stack_of(tuple(ids))
+
+
+def ignore_profiler_thread() -> None:
+    """Leave the calling thread's allocations unsampled from now on: it is one of the
+    profiler's own threads (drain, upload), whose work is nobody's memory.
+
+    Under gevent such a "thread" is a greenlet of the main OS thread, which runs the
+    application (and the CPU sampler's signal handler): that thread is left alone.
+    """
+    if not in_main_os_thread():
+        _ignore_thread(True)
 
 
 def _ignore_thread(ignore: bool) -> bool:
