@@ -21,6 +21,7 @@ import threading
 from typing import Any
 
 from .._profiling._window import Frame
+from ._stacks import descend
 
 __all__ = ["SIDES", "SloComparison", "compare_sides"]
 
@@ -169,14 +170,8 @@ def _differential(
         for stack, value in sides[side].items():
             scaled = value * weight
             root["sides"][index] += scaled
-            node = root
-            for frame in reversed(stack):  # root first
-                key = (frame.function, frame.filename)
-                child = node["children"].get(key)
-                if child is None:
-                    child = node["children"][key] = _node(frame.function, frame.filename)
-                child["sides"][index] += scaled
-                node = child
+            for node in descend(root, stack, _node):
+                node["sides"][index] += scaled
     todo = [root]
     while todo:  # iterative: stacks are deeper than this function could recurse
         node = todo.pop()

@@ -4,17 +4,18 @@ Anything on the machine can push to local mode, so a store keeps what it receive
 bytes: stacks deeper than ``max_depth`` keep their leaf and root ends around a marker frame,
 names are cut at ``MAX_NAME`` characters, and frames are stored once however many stacks (of
 however many uploads) use them. ``FramePool`` does that and estimates what its frames cost;
-``stack_cost`` estimates a kept stack; ``flame_tree`` turns stacks into a d3-flame-graph tree.
+``stack_cost`` estimates a kept stack; ``flame_tree`` turns stacks into a d3-flame-graph tree,
+and ``descend`` walks a stack into such a tree (the breach comparison builds its own kind).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._profiling._window import Frame
 
-__all__ = ["MAX_NAME", "TRUNCATED", "FramePool", "flame_tree", "stack_cost"]
+__all__ = ["MAX_NAME", "TRUNCATED", "FramePool", "descend", "flame_tree", "stack_cost"]
 
 #: Longer than any real function, file or span name; an upload's strings can be megabytes.
 MAX_NAME = 1024
@@ -96,6 +97,26 @@ def _node(name: str, filename: str) -> dict[str, Any]:
     return {"name": name, "file": filename, "value": 0, "children": {}}
 
 
+def descend(
+    node: dict[str, Any],
+    stack: tuple[Frame, ...],
+    make: Callable[[str, str], dict[str, Any]],
+) -> Iterator[dict[str, Any]]:
+    """The nodes of leaf-first ``stack`` under ``node``, root end first.
+
+    A node's ``children`` map ``(function, filename)`` to nodes; a missing one is made by
+    ``make(function, filename)`` on the way down.
+    """
+    for frame in reversed(stack):
+        children = node["children"]
+        key = (frame.function, frame.filename)
+        child = children.get(key)
+        if child is None:
+            child = children[key] = make(frame.function, frame.filename)
+        yield child
+        node = child
+
+
 def flame_tree(name: str, stacks: Iterable[tuple[tuple[Frame, ...], int]]) -> dict[str, Any]:
     """A d3-flame-graph tree (``name``, ``file``, ``value``, ``children``) of leaf-first stacks.
 
@@ -104,14 +125,8 @@ def flame_tree(name: str, stacks: Iterable[tuple[tuple[Frame, ...], int]]) -> di
     root = _node(name, "")
     for stack, value in stacks:
         root["value"] += value
-        node = root
-        for frame in reversed(stack):  # root first
-            key = (frame.function, frame.filename)
-            child = node["children"].get(key)
-            if child is None:
-                child = node["children"][key] = _node(frame.function, frame.filename)
-            child["value"] += value
-            node = child
+        for node in descend(root, stack, _node):
+            node["value"] += value
     # Iterative: a stack is as deep as the interpreter lets a program recurse, far deeper than
     # this function could recurse over it.
     todo = [root]
