@@ -176,17 +176,32 @@ def put_tag(buf: bytearray, field: int, wire: int) -> None:
     put_varint(buf, (field << 3) | wire)
 
 
+# The writers below append one-byte varints (keys of fields 1 to 15, values and lengths under
+# 128: most of what a profile holds) themselves, without a put_varint call each.
+
+
 def put_varint_field(buf: bytearray, field: int, value: int) -> None:
     """Append a varint field, omitting it when zero (proto3 default)."""
     if value:
-        put_varint(buf, (field << 3) | WIRE_VARINT)
+        key = (field << 3) | WIRE_VARINT
+        if key < 0x80 and 0 < value < 0x80:
+            buf.append(key)
+            buf.append(value)
+            return
+        put_varint(buf, key)
         put_varint(buf, value)
 
 
 def put_bytes_field(buf: bytearray, field: int, data: bytes | bytearray) -> None:
     """Append a length-delimited field (always written, even when empty)."""
-    put_varint(buf, (field << 3) | WIRE_LEN)
-    put_varint(buf, len(data))
+    key = (field << 3) | WIRE_LEN
+    size = len(data)
+    if key < 0x80 and size < 0x80:
+        buf.append(key)
+        buf.append(size)
+    else:
+        put_varint(buf, key)
+        put_varint(buf, size)
     buf += data
 
 
@@ -206,6 +221,9 @@ def put_packed_varints_field(buf: bytearray, field: int, values: Iterable[int]) 
     """Append a packed repeated varint field; omitted entirely when ``values`` is empty."""
     payload = bytearray()
     for v in values:
-        put_varint(payload, v)
+        if 0 <= v < 0x80:
+            payload.append(v)
+        else:
+            put_varint(payload, v)
     if payload:
         put_bytes_field(buf, field, payload)
