@@ -881,11 +881,10 @@ free_state(void)
     span_clear();
 }
 
-/* alloc_state's filter size in bits; 0: the table's, and at least MIN_FILTER_BITS. */
-static int requested_filter_bits;
-
+/* The table, the filter and the buffers. `requested_filter_bits` sizes the filter; 0: as many
+ * bits as the table has slots, and at least MIN_FILTER_BITS. */
 static int
-alloc_state(void)
+alloc_state(int requested_filter_bits)
 {
     uint64_t size = 2;
     uint64_t *bits;
@@ -1093,7 +1092,6 @@ alloc_start(PyObject *Py_UNUSED(module), PyObject *args)
         PyErr_SetString(PyExc_ValueError, "filter_bits must be 0 or in [6, 30]");
         return NULL;
     }
-    requested_filter_bits = filter_bits;
     max_records = (uint32_t)samples;
     max_frames = (uint16_t)frames;
     /* Room for max_frames on the deepest stack, 32 frames per sample on average. */
@@ -1104,7 +1102,7 @@ alloc_start(PyObject *Py_UNUSED(module), PyObject *args)
     max_tracked = (uint32_t)tracked;
     /* Between two drains at most every tracked block and every new sample can be freed. */
     max_freed = max_tracked + max_records;
-    if (alloc_state() < 0) {
+    if (alloc_state(filter_bits) < 0) {
         return NULL;
     }
     labels_var = Py_NewRef(var);
