@@ -348,6 +348,39 @@ def test_a_full_buffer_drops_and_counts_samples() -> None:
     assert sum(1 for _ in window.values) <= 64 + 8
 
 
+def test_a_long_drain_lets_other_threads_run_and_keeps_every_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A drain past its time slice yields the GIL every 32 samples; none is skipped."""
+    from spanprof._profiling._samplers import _memory
+
+    count = 1000
+    yields: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread() is threading.main_thread():
+            yields.append(seconds)
+        real_sleep(seconds)
+
+    warm_up()
+    with sampling(sample_bytes=1, max_samples=4 * count) as sampler:
+        blocks = keep_blocks(count)
+        monkeypatch.setattr(_memory, "_SLICE_NS", 0)
+        monkeypatch.setattr(time, "sleep", sleep)
+        sampler.drain()
+        monkeypatch.undo()
+        window = sampler.take_window()
+        stats = sampler.stats()
+    rows = by_function(window, "keep_blocks")
+    assert stats["dropped"] == 0, stats
+    # Sampled at 1 byte, every block is a sample of weight 1 object (and stays in use).
+    assert total(rows, 0) == pytest.approx(count, rel=0.01), rows
+    assert total(rows, 2) == pytest.approx(count, rel=0.01), rows
+    assert len(yields) >= count // 32 - 1, len(yields)
+    del blocks
+
+
 def test_the_samplers_own_allocations_are_not_sampled() -> None:
     """drain() allocates with the guard up: those allocations re-enter the hook unsampled."""
     with sampling(sample_bytes=1) as sampler:

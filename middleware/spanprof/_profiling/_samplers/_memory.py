@@ -280,42 +280,46 @@ class MemorySampler:
         allocated = self._allocated
         live = self._live
         inuse = self._inuse
+        expm1 = math.expm1
         deadline = started + _SLICE_NS
-        for n, record in enumerate(samples):
-            sample_id, size, tracked, labels, codes, lastis, _truncated, stack_key = record
-            if n % 32 == 31 and time.perf_counter_ns() > deadline:
+        for first in range(0, len(samples), 32):
+            if first and time.perf_counter_ns() > deadline:
                 # A burst of samples is turned into estimates in slices: the application's
                 # threads get the GIL in between (this lock keeps other drains out).
                 time.sleep(0)
                 deadline = time.perf_counter_ns() + _SLICE_NS
-            if size <= 0:
-                continue
-            if not isinstance(labels, LabelSet):
-                labels = EMPTY
-            sid = stack_ids.get(stack_key)
-            if sid is None:
-                sid = stack_ids[stack_key] = _intern(tables, codes, lastis)
-            key = (sid, labels)
-            # Sampled with probability p: each sample stands for 1/p blocks like it.
-            scale = 1.0 / -math.expm1(-size / mean)
-            objects, nbytes = scale, size * scale
-            counts = allocated.get(key)
-            if counts is None:
-                allocated[key] = [objects, nbytes]
-            else:
-                counts[0] += objects
-                counts[1] += nbytes
-            if tracked:
-                live[sample_id] = (key, objects, nbytes)
-                total = inuse.get(key)
-                if total is None:
-                    inuse[key] = [objects, nbytes, 1]
+            for sample_id, size, tracked, labels, codes, lastis, _, stack_key in samples[
+                first : first + 32
+            ]:
+                if size <= 0:
+                    continue
+                if labels.__class__ is not LabelSet:  # isinstance() goes through ABCMeta
+                    labels = labels if isinstance(labels, LabelSet) else EMPTY
+                sid = stack_ids.get(stack_key)
+                if sid is None:
+                    sid = stack_ids[stack_key] = _intern(tables, codes, lastis)
+                key = (sid, labels)
+                # Sampled with probability p: each sample stands for 1/p blocks like it.
+                objects = -1.0 / expm1(-size / mean)
+                nbytes = size * objects
+                counts = allocated.get(key)
+                if counts is None:
+                    allocated[key] = [objects, nbytes]
                 else:
-                    total[0] += objects
-                    total[1] += nbytes
-                    total[2] += 1
+                    counts[0] += objects
+                    counts[1] += nbytes
+                if tracked:
+                    live[sample_id] = (key, objects, nbytes)
+                    total = inuse.get(key)
+                    if total is None:
+                        inuse[key] = [objects, nbytes, 1]
+                    else:
+                        total[0] += objects
+                        total[1] += nbytes
+                        total[2] += 1
+        forget = live.pop
         for sample_id in freed:
-            entry = live.pop(sample_id, None)
+            entry = forget(sample_id, None)
             if entry is None:
                 continue
             key, objects, nbytes = entry
