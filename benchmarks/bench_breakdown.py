@@ -23,7 +23,15 @@ from typing import Any, Protocol
 from ._child import receiver_child_arguments, receiver_process, run_receiver_child
 from ._report import Section, Spread, markdown_table, paired_ratios
 
-__all__ = ["PART_WARMUP", "VARIANTS", "drive_part", "main", "run"]
+__all__ = [
+    "MEET_REQUESTS",
+    "MEET_SAMPLE_BYTES",
+    "PART_WARMUP",
+    "VARIANTS",
+    "drive_part",
+    "main",
+    "run",
+]
 
 VARIANTS = (
     ("off", "no profiler"),
@@ -139,7 +147,10 @@ def _driver() -> Callable[[int], Coroutine[Any, Any, int]]:
 def drive_part(part_name: str, count: int) -> None:
     """Serve ``count`` requests in-process with one part started (no ticks, no uploads): what
     ``bench_instructions`` counts under callgrind, where CPU-timed ticks would come 50x as
-    often per request."""
+    often per request.
+
+    A part with an allocation sampler starts with the stacks a long-running server has already
+    met (``_meet_stacks``); ``NAME_cold`` is the part meeting them as it goes."""
     drive = _driver()
     # The allocation sampler's drain thread wakes 4 times a second of wall time, which under
     # callgrind (about 50x slower) would count as 50x as much work per request as it is: drain
@@ -149,25 +160,64 @@ def drive_part(part_name: str, count: int) -> None:
     defaults = MemorySampler.__init__.__kwdefaults__
     assert defaults is not None
     defaults["drain_interval"] = 3600.0
+    base_name, cold, _ = part_name.partition("_cold")
     # The receiver in a process of its own: what it decodes is not the profiler's work.
     with receiver_process() as url:
         # The sampler's 1 Hz variant: its hooks and timer, without ticks worth counting.
-        name = "sampler_1hz" if part_name == "sampler" else part_name
+        name = "sampler_1hz" if base_name == "sampler" else base_name
         part = _parts(url, upload_interval=3600, sample_rate=1)[name]
         loop = asyncio.new_event_loop()
+        met = None if cold or name not in ("memory", "exact") else _meet_stacks(loop, drive)
         if part is not None:
             part.start()
         try:
-            # Warm-up: caches, first-request work, and the stacks the allocation sampler meets
-            # (it interns each stack once for the process's life; a trivial request allocates
-            # ~50 KB, one sample per ~12 requests, over a few hundred distinct stacks, so with
-            # a short warm-up their first sightings would be counted as per-request work).
+            if met is not None:
+                _adopt_stacks(part, met)
+            # Warm-up: caches, first-request work, and (cold parts) the stacks the allocation
+            # sampler meets first: it interns each once for the process's life.
             loop.run_until_complete(drive(PART_WARMUP))
             loop.run_until_complete(drive(count))
         finally:
             if part is not None:
                 part.stop()
             loop.close()
+
+
+# Allocation samples one per this many bytes while meeting the stacks: ~10 a trivial request.
+MEET_SAMPLE_BYTES = 4096
+MEET_REQUESTS = 2000
+
+
+def _meet_stacks(loop: asyncio.AbstractEventLoop, drive: Callable[[int], Any]) -> Any:
+    """The stack tables of a sampler that has met the request's allocation stacks.
+
+    A trivial request allocates ~50 KB over a few hundred distinct stacks, so at the default
+    512 KiB (one sample per ~12 requests) a sampler keeps meeting new ones for tens of
+    thousands of requests, interning each (code objects, lines, frames) the first time: a
+    start-up cost, which a long-running server has paid. 2,000 requests sampled every 4 KiB
+    (~20,000 samples) meet what ~250,000 requests at the default rate would, leaving the
+    rest."""
+    from spanprof._profiling._samplers._memory import MemorySampler
+
+    sampler = MemorySampler(sample_bytes=MEET_SAMPLE_BYTES, drain_interval=3600.0)
+    sampler.start()
+    try:
+        loop.run_until_complete(drive(MEET_REQUESTS))
+    finally:
+        sampler.stop()
+    return sampler
+
+
+def _adopt_stacks(part: Any, met: Any) -> None:
+    """Hand ``met``'s interned stacks to ``part``'s (started) allocation sampler."""
+    from spanprof._profiling._samplers._memory import MemorySampler
+
+    sampler = part if isinstance(part, MemorySampler) else part.runtime.backend._memory_sampler
+    if not isinstance(sampler, MemorySampler):
+        raise RuntimeError(f"no allocation sampler in {part!r}")
+    with sampler._lock:
+        sampler._tables = met._tables
+        sampler._stack_ids = met._stack_ids
 
 
 def _child(argv: list[str]) -> None:
