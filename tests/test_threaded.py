@@ -77,6 +77,51 @@ def test_a_prepared_sampler_starts_and_stops_from_a_pool_thread() -> None:
         sampler.stop()
 
 
+def _main_thread_has_pending(signum: int) -> bool:
+    # SigPnd of the main thread (its TID is the pid): read from any thread.
+    with open(f"/proc/self/task/{os.getpid()}/status") as status:
+        for line in status:
+            if line.startswith("SigPnd:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    raise AssertionError("no SigPnd line in /proc/self/task/<pid>/status")
+
+
+def test_a_stop_off_the_main_thread_is_not_lost_behind_a_queued_tick() -> None:
+    """A tick still queued when a pool thread stops the sampler must not swallow its wake-up.
+
+    Since Linux 6.13 the signal of a deleted timer stays pending and is dropped when it would
+    be delivered, and a ``pthread_kill`` of the same signal sent meanwhile merges into it: the
+    main thread was never told to put the previous handler back.
+    """
+    require(LINUX, "the exact sampler needs Linux thread CPU clocks")
+    sampler = Sampler(sample_rate=1000)
+    sampler.prepare()
+    # Blocked in the main thread, the timer's tick stays queued there until the pool stopped.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPROF})
+    try:
+        queued: list[bool] = []
+
+        def work() -> None:
+            sampler.start()
+            deadline = time.thread_time() + 5.0
+            while not _main_thread_has_pending(signal.SIGPROF) and time.thread_time() < deadline:
+                MARKERS[3](0.002)
+            queued.append(_main_thread_has_pending(signal.SIGPROF))
+            sampler.stop()
+
+        assert _in_thread(work) == []
+        assert queued == [True], "the timer's tick never became pending in the main thread"
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGPROF})
+    try:
+        assert _wait_for_default_handler() == signal.SIG_DFL
+        assert not sampler.restore_pending
+    finally:
+        sampler.stop()
+        signal.signal(signal.SIGPROF, signal.SIG_IGN)  # drops whatever is still pending
+        signal.signal(signal.SIGPROF, signal.SIG_DFL)
+
+
 def test_an_unprepared_sampler_still_refuses_a_pool_thread() -> None:
     """Without prepare(), start() in another thread raises, naming the thread and the fix."""
     require(LINUX, "the exact sampler needs Linux thread CPU clocks")

@@ -619,7 +619,8 @@ class Sampler:
         In the main thread the handler is restored at once. In another thread (a shutdown
         thread, an atexit hook run elsewhere) ``signal.signal`` is not allowed: the timer is
         deleted at once, and the main thread restores the handler itself when it next runs
-        Python code, woken by one more signal sent to it alone.
+        Python code, woken by one more signal sent to it alone and marked due with
+        ``_thread.interrupt_main`` (a tick still queued there can swallow the signal).
         """
         if not self.running:
             self._running = False
@@ -649,6 +650,16 @@ class Sampler:
         # OSError/ValueError: the main thread is gone, and nobody will run handlers any more.
         with contextlib.suppress(OSError, ValueError, TypeError):
             signal.pthread_kill(main or 0, self.signum)
+        # The kill wakes a main thread blocked in a system call, but since Linux 6.13 it is lost
+        # when a tick is still queued there: the deleted timer's signal stays pending, the kill
+        # merges into it, and the kernel drops both at delivery. interrupt_main marks the
+        # handler as due without a signal, which nothing drops. Second, so that the handler
+        # cannot restore SIG_DFL before the kill is sent: once sent, the kill is pending, and
+        # the SIG_IGN step of _restore_handler discards it. If the handler already ran, ours
+        # is gone and there is nothing to mark.
+        if signal.getsignal(self.signum) == self._on_signal:
+            with contextlib.suppress(ValueError, RuntimeError):
+                _thread.interrupt_main(signal.Signals(self.signum))
 
     @property
     def restore_pending(self) -> bool:
