@@ -66,7 +66,12 @@ def test_a_prepared_sampler_starts_and_stops_from_a_pool_thread() -> None:
         def work() -> None:
             sampler.start()
             assert sampler.running
-            MARKERS[3](0.2)
+            # Each tick's handler runs in the main thread once this one hands it the GIL. On a
+            # loaded machine the first took up to 0.33 s of this thread's CPU (60 runs with
+            # four CPU hogs on two cores): burn until it came, not for a fixed time.
+            deadline = time.thread_time() + 5.0
+            while sampler.ticks == 0 and time.thread_time() < deadline:
+                MARKERS[3](0.01)
             sampler.stop()
 
         assert _in_thread(work) == []
