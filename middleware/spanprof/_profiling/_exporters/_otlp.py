@@ -10,25 +10,28 @@ follow the OTLP/HTTP rules: 429, 502, 503 and 504 (and connection failures) are 
 with exponential back-off, or after the server's ``Retry-After`` when it sends one; any other
 status drops the window (counted in ``rejected``). While the endpoint is away at most
 ``max_pending`` windows wait, and the oldest is dropped (counted in ``dropped``) to make room.
+
+Nothing the endpoint does can hold the thread (``_http.Poster``): each export has one overall
+deadline, however slowly the answer trickles, and at most ``max_response_bytes`` of it are
+read. No exception ends the thread either (``_interval.IntervalExporter``): an unexpected one
+is logged once and counted (``stats()['otlp_errors']``).
 """
 
 from __future__ import annotations
 
-import collections
 import email.utils
 import gzip
 import http.client
 import os
 import random
 import ssl
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 from urllib.parse import unquote, urlsplit
 
-from ..._config import parse_bool, parse_int
+from ..._config import parse_bool, parse_header_value, parse_int
 from ..._logging import log_once
 from ..._version import __version__
 from .._encoders._otlp import (
@@ -40,7 +43,8 @@ from .._encoders._otlp import (
 )
 from .._encoders._protowire import ProtoDecodeError, as_bytes, as_int, as_str, iter_fields
 from .._window import Window
-from ._fanout import run_thread_init
+from ._http import Poster
+from ._interval import IntervalExporter, Payload
 from ._otlp_grpc import GrpcTransport, grpc_available
 from ._steps import StepTimer
 
@@ -95,9 +99,7 @@ def parse_headers(name: str, value: str) -> tuple[tuple[str, str], ...]:
         key = unquote(key).strip()
         if not sep or not key or any(c in key for c in " \t:\r\n"):
             raise ValueError(f"{name}={value!r}: expected key=value pairs separated by commas")
-        val = unquote(val).strip()
-        if "\r" in val or "\n" in val:
-            raise ValueError(f"{name}: header {key!r} has a line break in its value")
+        val = parse_header_value(f"{name}: header {key!r}", unquote(val).strip())
         headers.append((key, val))
     return tuple(headers)
 
@@ -142,6 +144,9 @@ class OtlpSettings:
                 _check_url("endpoint", self.endpoint)
         else:
             _check_url("endpoint", self.endpoint)
+        for key, value in self.headers:
+            # What http.client refuses would fail every export, in the export thread.
+            parse_header_value(f"headers: {key!r}", value)
         if self.compression not in COMPRESSIONS:
             raise ValueError(
                 f"compression: expected one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"
@@ -263,13 +268,7 @@ class OtlpEncoderFactory(Protocol):
     ) -> OtlpRequestEncoder[Any]: ...
 
 
-@dataclass
-class _Payload:
-    body: bytes
-    attempts: int = 0
-
-
-class OtlpExporter:
+class OtlpExporter(IntervalExporter):
     """Encodes windows as OTLP profiles and posts them from a daemon thread.
 
     Arguments:
@@ -282,9 +281,14 @@ class OtlpExporter:
         backoff_initial, backoff_max: seconds before the first retry, and the cap of the
             doubling back-off (a ``Retry-After`` may ask for longer, up to ``retry_after_max``).
         flush_timeout: how long ``stop()`` may spend on the last window and pending retries.
+        max_response_bytes: at most this much of an answer is read (the rest is discarded
+            with the connection, and a partial success in it is not seen).
         encoder: makes the encoder of a window (default: CPU profiles, ``OtlpEncoder``); the
             memory profiles' exporter passes ``OtlpMemoryEncoder`` with its period.
     """
+
+    thread_name = "spanprof-otlp-exporter"
+    gone_at_shutdown = "the endpoint did not answer before shutdown"
 
     def __init__(
         self,
@@ -298,6 +302,7 @@ class OtlpExporter:
         backoff_max: float = 30.0,
         retry_after_max: float = 300.0,
         flush_timeout: float = 5.0,
+        max_response_bytes: int = 64 * 1024,
         encoder: OtlpEncoderFactory = OtlpEncoder,
     ) -> None:
         self.settings = settings
@@ -305,11 +310,6 @@ class OtlpExporter:
         self._grpc = GrpcTransport(settings) if settings.protocol == "grpc" else None
         parts = urlsplit(settings.endpoint if self._grpc is None else "http://grpc")
         self.url = settings.endpoint
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname or ""
-        self._port = parts.port
-        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        self.upload_interval = upload_interval
         self.timeout = settings.timeout
         self.attributes = list(attributes)
         self._resource_attributes = resource_attributes
@@ -317,9 +317,7 @@ class OtlpExporter:
         self._scope = encode_scope()
         self.max_pending = max_pending
         self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
         self.retry_after_max = retry_after_max
-        self.flush_timeout = flush_timeout
         self._headers = {
             "Content-Type": OTLP_CONTENT_TYPE,
             "User-Agent": f"spanprof/{__version__}",
@@ -329,55 +327,39 @@ class OtlpExporter:
         self._gzip = settings.compression == "gzip" and self._grpc is None
         if self._gzip:
             self._headers["Content-Encoding"] = "gzip"
-        self._ssl: ssl.SSLContext | None = None
-        if self._https:
-            self._ssl = ssl.create_default_context(cafile=settings.certificate or None)
+        context: ssl.SSLContext | None = None
+        if parts.scheme == "https":
+            context = ssl.create_default_context(cafile=settings.certificate or None)
             if settings.client_certificate:
-                self._ssl.load_cert_chain(settings.client_certificate, settings.client_key or None)
-        self._queue: collections.deque[_Payload] = collections.deque()
-        self._retry_at = 0.0
-        self._conn: http.client.HTTPConnection | None = None
-        self._collect: Callable[[], Window] | None = None
-        self._thread_init: Callable[[], None] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+                context.load_cert_chain(settings.client_certificate, settings.client_key or None)
+        self._poster = Poster(
+            https=parts.scheme == "https",
+            host=parts.hostname or "",
+            port=parts.port,
+            path=(parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
+            headers=self._headers,
+            ssl_context=context,
+            max_response_bytes=max_response_bytes,
+            answer_headers=("Retry-After",),
+        )
+        self._init_interval(
+            upload_interval=upload_interval,
+            timeout=self.timeout,
+            flush_timeout=flush_timeout,
+            backoff_max=backoff_max,
+        )
         self.uploads = 0
         self.failures = 0
         self.retries = 0
         self.dropped = 0
         self.rejected = 0
         self.rejected_profiles = 0
+        self.errors = 0
         self.empty_windows = 0
         self.bytes_sent = 0
         self.raw_bytes = 0
         self._steps = StepTimer()
         self.last_status: int | None = None
-
-    # --- lifecycle ------------------------------------------------------------------------------
-
-    def start(
-        self, collect: Callable[[], Window], thread_init: Callable[[], None] | None = None
-    ) -> None:
-        """Start the export thread; ``collect()`` hands over the samples of each interval.
-
-        ``thread_init()``, if given, runs first in the export thread.
-        """
-        self._collect = collect
-        self._thread_init = thread_init
-        self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._run, name="spanprof-otlp-exporter", daemon=True
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Export the last window and whatever waits for a retry (within ``flush_timeout``)."""
-        thread = self._thread
-        if thread is None:
-            return
-        self._thread = None
-        self._stop.set()
-        thread.join(2 * self.flush_timeout + 1.0)
 
     def stats(self) -> dict[str, float]:
         """Export counters and the longest export step, each key prefixed ``otlp_``."""
@@ -388,6 +370,7 @@ class OtlpExporter:
             "otlp_dropped": self.dropped,
             "otlp_rejected": self.rejected,
             "otlp_rejected_profiles": self.rejected_profiles,
+            "otlp_errors": self.errors,
             "otlp_pending": len(self._queue),
             "otlp_bytes_sent": self.bytes_sent,
             "otlp_raw_bytes": self.raw_bytes,
@@ -396,34 +379,18 @@ class OtlpExporter:
 
     # --- the export thread ----------------------------------------------------------------------
 
-    def _run(self) -> None:
-        run_thread_init(self._thread_init)
-        next_upload = time.monotonic() + self.upload_interval
-        while True:
-            wake_at = next_upload
-            if self._queue:
-                wake_at = min(wake_at, self._retry_at)
-            if self._stop.wait(max(0.0, wake_at - time.monotonic())):
-                break
-            now = time.monotonic()
-            if now >= next_upload:
-                next_upload += self.upload_interval
-                if next_upload <= now:
-                    next_upload = now + self.upload_interval
-                self._export()
-            if self._queue and time.monotonic() >= self._retry_at:
-                self._send_pending(deadline=None)
-        # The last window: no export may outlast the flush budget.
-        self.timeout = min(self.timeout, self.flush_timeout)
-        self._close()
-        self._export()
-        self._send_pending(deadline=time.monotonic() + self.flush_timeout)
-        if self._queue:
-            self._drop(len(self._queue), "the endpoint did not answer before shutdown")
-            self._queue.clear()
-        self._close()
+    def _finish(self) -> None:
         if self._grpc is not None:
             self._grpc.close()
+
+    def _unexpected(self) -> None:
+        self.errors += 1
+        self._close()
+        log_once(
+            "otlp-error",
+            f"spanprof: exporting profiles to {self.url} failed unexpectedly; the exporter goes "
+            "on with the next window (logged once)",
+        )
 
     def _resource_bytes(self) -> bytes:
         attributes = dict(self._resource_attributes())
@@ -466,7 +433,7 @@ class OtlpExporter:
         if len(self._queue) >= self.max_pending:
             self._queue.popleft()
             self._drop(1, f"{self.max_pending} windows already wait for the endpoint")
-        self._queue.append(_Payload(body))
+        self._queue.append(Payload(body))
 
     def _drop(self, count: int, why: str) -> None:
         self.dropped += count
@@ -521,38 +488,27 @@ class OtlpExporter:
 
     def _post(self, body: bytes) -> tuple[_Outcome, str, float | None]:
         if self._grpc is not None:
-            outcome, detail, wait, answer = self._grpc.export(body, self.timeout)
+            # gRPC's timeout is one deadline already; stop() can only shorten the next one.
+            timeout = min(self.timeout, max(0.001, self._stop_deadline - time.monotonic()))
+            outcome, detail, wait, grpc_answer = self._grpc.export(body, timeout)
             if outcome == "ok":
-                self._partial_success(answer)
+                self._partial_success(grpc_answer)
             return outcome, detail, wait
-        reused = self._conn is not None
+        # One deadline for the whole export, the stale-connection retry included.
+        deadline = min(time.monotonic() + self.timeout, self._stop_deadline)
         try:
-            return self._post_once(body)
+            answer = self._poster.post(body, deadline)
         except (OSError, http.client.HTTPException) as exc:
-            self._close()
-            if not reused:
-                return "retry", f"{type(exc).__name__}: {exc}", None
-        # A kept-alive connection the server had closed fails on first use: once more, fresh.
-        try:
-            return self._post_once(body)
-        except (OSError, http.client.HTTPException) as exc:
-            self._close()
+            if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
+                return "retry", f"no answer within {self.timeout:g} s ({exc or 'timeout'})", None
             return "retry", f"{type(exc).__name__}: {exc}", None
-
-    def _post_once(self, body: bytes) -> tuple[_Outcome, str, float | None]:
-        conn = self._connection()
-        conn.request("POST", self._path, body=body, headers=self._headers)
-        response = conn.getresponse()
-        answer = response.read()
-        status = response.status
-        self.last_status = status
-        if response.will_close:
-            self._close()
+        status = self.last_status = answer.status
         if 200 <= status < 300:
-            self._partial_success(answer)
+            if answer.complete:
+                self._partial_success(answer.body)
             return "ok", str(status), None
         if status in RETRYABLE_STATUSES:
-            return "retry", f"HTTP {status}", retry_after(response.getheader("Retry-After"))
+            return "retry", f"HTTP {status}", retry_after(answer.headers.get("Retry-After"))
         return "reject", f"HTTP {status}", None
 
     def _partial_success(self, answer: bytes) -> None:
@@ -565,19 +521,5 @@ class OtlpExporter:
                 exc_info=False,
             )
 
-    def _connection(self) -> http.client.HTTPConnection:
-        if self._conn is None:
-            if self._https:
-                self._conn = http.client.HTTPSConnection(
-                    self._host, self._port, timeout=self.timeout, context=self._ssl
-                )
-            else:
-                self._conn = http.client.HTTPConnection(
-                    self._host, self._port, timeout=self.timeout
-                )
-        return self._conn
-
     def _close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
+        self._poster.close()

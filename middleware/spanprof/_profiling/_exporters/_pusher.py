@@ -22,17 +22,12 @@ window is taken as usual, so the sampler's window never grows past one interval.
 from __future__ import annotations
 
 import base64
-import collections
 import gzip
 import http.client
-import io
 import random
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol, cast
+from typing import Literal, Protocol
 from urllib.parse import urlsplit
 
 from ..._config import parse_header_value, parse_server_address, redact_url, split_credentials
@@ -41,7 +36,8 @@ from ..._version import __version__
 from .._encoders._push import PUSH_CONTENT_TYPE, PUSH_PATH, encode_push_request
 from .._encoders._window import WindowEncoder
 from .._window import Window
-from ._fanout import run_thread_init
+from ._http import Poster
+from ._interval import IntervalExporter, Payload
 from ._steps import StepTimer
 
 __all__ = ["Pusher", "StepEncoder"]
@@ -63,13 +59,7 @@ class StepEncoder(Protocol):
     def step(self) -> bool: ...
 
 
-@dataclass
-class _Payload:
-    body: bytes
-    attempts: int = 0
-
-
-class Pusher:
+class Pusher(IntervalExporter):
     """Encodes windows and pushes them to a Pyroscope server from a daemon thread.
 
     Arguments:
@@ -90,6 +80,9 @@ class Pusher:
         encoder: makes the encoder of a window (default: CPU profiles, ``WindowEncoder``); the
             memory profiles' pusher passes ``MemoryEncoder``.
     """
+
+    thread_name = "spanprof-exact-pusher"
+    gone_at_shutdown = "the server did not answer before shutdown"
 
     def __init__(
         self,
@@ -118,19 +111,12 @@ class Pusher:
         parse_header_value("tenant_id", tenant_id)
         parts = urlsplit(address)
         self.url = redact_url(address) + PUSH_PATH
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname or ""
-        self._port = parts.port
-        self._path = parts.path.rstrip("/") + PUSH_PATH
         self.labels = list(labels)
         self.period_ns = period_ns
-        self.upload_interval = upload_interval
         self.timeout = timeout
         self.max_response_bytes = max_response_bytes
         self.max_pending = max_pending
         self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
-        self.flush_timeout = flush_timeout
         self._encoder = encoder
         self._headers = {
             "Content-Type": PUSH_CONTENT_TYPE,
@@ -142,14 +128,20 @@ class Pusher:
             self._headers["Authorization"] = "Basic " + base64.b64encode(token).decode("ascii")
         if tenant_id:
             self._headers["X-Scope-OrgID"] = tenant_id
-        self._queue: collections.deque[_Payload] = collections.deque()
-        self._retry_at = 0.0
-        self._stop_deadline = float("inf")
-        self._conn: _DeadlineHTTP | _DeadlineHTTPS | None = None
-        self._collect: Callable[[], Window] | None = None
-        self._thread_init: Callable[[], None] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._poster = Poster(
+            https=parts.scheme == "https",
+            host=parts.hostname or "",
+            port=parts.port,
+            path=parts.path.rstrip("/") + PUSH_PATH,
+            headers=self._headers,
+            max_response_bytes=max_response_bytes,
+        )
+        self._init_interval(
+            upload_interval=upload_interval,
+            timeout=self.timeout,
+            flush_timeout=flush_timeout,
+            backoff_max=backoff_max,
+        )
         self.uploads = 0
         self.failures = 0
         self.retries = 0
@@ -160,38 +152,6 @@ class Pusher:
         self.bytes_sent = 0
         self._steps = StepTimer()
         self.last_status: int | None = None
-
-    # --- lifecycle ------------------------------------------------------------------------------
-
-    def start(
-        self, collect: Callable[[], Window], thread_init: Callable[[], None] | None = None
-    ) -> None:
-        """Start the upload thread; ``collect()`` hands over the samples of each interval.
-
-        ``thread_init()``, if given, runs first in the upload thread (the exact backend keeps
-        the thread's allocations out of the memory profile with it).
-        """
-        self._collect = collect
-        self._thread_init = thread_init
-        self._stop.clear()
-        self._stop_deadline = float("inf")
-        self._thread = threading.Thread(target=self._run, name="spanprof-exact-pusher", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Upload the last window and whatever waits for a retry (within ``flush_timeout``)."""
-        thread = self._thread
-        if thread is None:
-            return
-        self._thread = None
-        # The flush, an upload in flight included, has flush_timeout from now.
-        self._stop_deadline = time.monotonic() + self.flush_timeout
-        conn = self._conn
-        if conn is not None:
-            conn.deadline = min(conn.deadline, self._stop_deadline)
-        self._stop.set()
-        # The flush's uploads time out within flush_timeout too (see _run).
-        thread.join(2 * self.flush_timeout + 1.0)
 
     def stats(self) -> dict[str, float]:
         """Upload counters and the longest single export step (CPU and wall microseconds)."""
@@ -208,42 +168,6 @@ class Pusher:
         }
 
     # --- the upload thread ----------------------------------------------------------------------
-
-    def _run(self) -> None:
-        run_thread_init(self._thread_init)
-        next_upload = time.monotonic() + self.upload_interval
-        while True:
-            wake_at = next_upload
-            if self._queue:
-                wake_at = min(wake_at, self._retry_at)
-            if self._stop.wait(max(0.0, wake_at - time.monotonic())):
-                break
-            now = time.monotonic()
-            try:
-                if now >= next_upload:
-                    next_upload += self.upload_interval
-                    if next_upload <= now:
-                        next_upload = now + self.upload_interval
-                    self._export()
-                if self._queue and time.monotonic() >= self._retry_at:
-                    self._send_pending(deadline=None)
-            except Exception:
-                # Whatever it was, the next interval's window is taken on time: the sampler's
-                # window must not grow because its exporter died.
-                self._unexpected()
-                self._retry_at = time.monotonic() + self.backoff_max
-        try:
-            # The last window: no upload may outlast the flush budget.
-            self.timeout = min(self.timeout, self.flush_timeout)
-            self._close()
-            self._export()
-            self._send_pending(deadline=self._stop_deadline)
-        except Exception:
-            self._unexpected()
-        if self._queue:
-            self._drop(len(self._queue), "the server did not answer before shutdown")
-            self._queue.clear()
-        self._close()
 
     def _unexpected(self) -> None:
         self.errors += 1
@@ -286,7 +210,7 @@ class Pusher:
         if len(self._queue) >= self.max_pending:
             self._queue.popleft()
             self._drop(1, f"{self.max_pending} windows already wait for the server")
-        self._queue.append(_Payload(body))
+        self._queue.append(Payload(body))
 
     def _drop(self, count: int, why: str) -> None:
         self.dropped += count
@@ -355,143 +279,28 @@ class Pusher:
     def _post(self, body: bytes) -> tuple[_Outcome, str]:
         # One deadline for the whole upload, the stale-connection retry included.
         deadline = min(time.monotonic() + self.timeout, self._stop_deadline)
-        reused = self._conn is not None
-        for attempt in (1, 2):
-            try:
-                return self._post_once(body, deadline)
-            except (OSError, http.client.HTTPException) as exc:
-                self._close()
-                if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
-                    return "retry", f"no answer within {self.timeout:g} s ({exc or 'timeout'})"
-                # A kept-alive connection the server had closed fails on first use: once more,
-                # fresh.
-                if not reused or attempt == 2:
-                    return "retry", f"{type(exc).__name__}: {exc}"
-            except Exception as exc:
-                self._close()
-                self.errors += 1
-                log_once(
-                    "exact-push-error",
-                    f"spanprof: uploading profiles to {self.url} failed unexpectedly; the "
-                    "uploader goes on with the next window (logged once)",
-                )
-                return "error", f"{type(exc).__name__}: {exc}"
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _post_once(self, body: bytes, deadline: float) -> tuple[_Outcome, str]:
-        conn = self._connection()
-        conn.deadline = min(deadline, self._stop_deadline)
-        if conn.sock is None:
-            conn.timeout = max(0.001, deadline - time.monotonic())
-        conn.request("POST", self._path, body=body, headers=self._headers)
-        response = conn.getresponse()
-        # The answer is a few bytes; a huge one is not read (the connection goes with it).
-        response.read(self.max_response_bytes)
-        status = response.status
-        self.last_status = status
-        if response.will_close or not response.isclosed():
-            self._close()
+        self._poster.max_response_bytes = self.max_response_bytes
+        try:
+            answer = self._poster.post(body, deadline)
+        except (OSError, http.client.HTTPException) as exc:
+            if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
+                return "retry", f"no answer within {self.timeout:g} s ({exc or 'timeout'})"
+            return "retry", f"{type(exc).__name__}: {exc}"
+        except Exception as exc:
+            self._poster.close()
+            self.errors += 1
+            log_once(
+                "exact-push-error",
+                f"spanprof: uploading profiles to {self.url} failed unexpectedly; the "
+                "uploader goes on with the next window (logged once)",
+            )
+            return "error", f"{type(exc).__name__}: {exc}"
+        status = self.last_status = answer.status
         if 200 <= status < 300:
             return "ok", str(status)
         if status in (408, 429) or status >= 500:
             return "retry", f"HTTP {status}"
         return "reject", f"HTTP {status}"
 
-    def _connection(self) -> _DeadlineHTTP | _DeadlineHTTPS:
-        if self._conn is None:
-            cls = _DeadlineHTTPS if self._https else _DeadlineHTTP
-            self._conn = cls(self._host, self._port, timeout=self.timeout)
-        return self._conn
-
     def _close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
-
-
-# --- one deadline per upload ---------------------------------------------------------------------
-#
-# http.client's timeout applies to each socket operation: a server that answers one byte every
-# few seconds never trips it. These connections give every operation only what is left of the
-# upload's deadline (sendall's timeout covers the whole send; each read gets the remainder).
-
-
-# Socket waits are cut in slices this long, so that a deadline moved closer (by stop()) is seen.
-_SLICE = 0.25
-
-
-def _remaining(conn: _DeadlineHTTP | _DeadlineHTTPS, doing: str) -> float:
-    remaining = conn.deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError(f"the upload's deadline passed while {doing}")
-    return min(remaining, _SLICE)
-
-
-class _DeadlineReader(io.RawIOBase):
-    """A socket's reading side whose every read must finish before ``conn.deadline``."""
-
-    def __init__(self, sock: socket.socket, conn: _DeadlineHTTP | _DeadlineHTTPS) -> None:
-        super().__init__()
-        self._sock = sock
-        # Held, never read through: it keeps the socket open (socket.close() waits for its
-        # makefile()s) while the response still reads, as http.client expects.
-        self._ref = sock.makefile("rb", buffering=0)
-        self._conn = conn
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int | None:
-        while True:
-            self._sock.settimeout(_remaining(self._conn, "reading the answer"))
-            try:
-                return self._sock.recv_into(buffer)
-            except TimeoutError:
-                continue  # one slice passed: check the deadline again
-
-    def close(self) -> None:
-        self._ref.close()
-        super().close()
-
-
-class _DeadlineSocket:
-    """The connection's socket, as http.client sees it: sends and reads within the deadline."""
-
-    def __init__(self, sock: socket.socket, conn: _DeadlineHTTP | _DeadlineHTTPS) -> None:
-        self._sock = sock
-        self._conn = conn
-
-    def sendall(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            self._sock.settimeout(_remaining(self._conn, "sending"))
-            try:
-                sent = self._sock.send(view)
-            except TimeoutError:
-                continue  # one slice passed: check the deadline again
-            view = view[sent:]
-
-    def makefile(self, mode: str, *args: Any, **kwargs: Any) -> io.BufferedReader:
-        return io.BufferedReader(_DeadlineReader(self._sock, self._conn))
-
-    def close(self) -> None:
-        self._sock.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
-
-
-class _DeadlineHTTP(http.client.HTTPConnection):
-    deadline = float("inf")
-
-    def connect(self) -> None:
-        super().connect()
-        self.sock = cast(socket.socket, _DeadlineSocket(self.sock, self))
-
-
-class _DeadlineHTTPS(http.client.HTTPSConnection):
-    deadline = float("inf")
-
-    def connect(self) -> None:
-        super().connect()  # the TLS handshake runs under the connect timeout (the remainder)
-        self.sock = cast(socket.socket, _DeadlineSocket(self.sock, self))
+        self._poster.close()

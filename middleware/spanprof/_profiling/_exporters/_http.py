@@ -1,0 +1,203 @@
+"""One HTTP ``POST`` at a time to one URL, each under one deadline, its answer read bounded.
+
+Both exporters' threads post through ``Poster``, and nothing an endpoint does can hold one:
+- http.client's timeout applies to each socket operation, so a server that answers one byte
+  every few seconds never trips it. These connections give every operation only what is
+  left of the post's deadline: sendall's timeout covers the whole send, and each read gets
+  the remainder.
+- At most ``max_response_bytes`` of an answer are read. A longer one is cut, and the
+  connection goes with it.
+- ``cut(deadline)`` moves the deadline of a post in flight closer (``stop()`` does).
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import socket
+import ssl
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+__all__ = ["Answer", "Poster"]
+
+# Socket waits are cut in slices this long, so that a deadline moved closer (by cut()) is seen.
+_SLICE = 0.25
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What the endpoint answered: status, the headers asked for, the body read (bounded)."""
+
+    status: int
+    body: bytes
+    #: Whether ``body`` is the whole body (``False``: cut at ``max_response_bytes``).
+    complete: bool
+    headers: dict[str, str]
+
+
+class Poster:
+    """Posts bodies to ``host:port/path`` over one kept-alive connection (used by one thread).
+
+    ``post`` raises ``OSError`` or ``http.client.HTTPException`` when the endpoint cannot be
+    reached or does not answer in time (``TimeoutError`` once the deadline passed).
+    """
+
+    def __init__(
+        self,
+        *,
+        https: bool,
+        host: str,
+        port: int | None,
+        path: str,
+        headers: dict[str, str],
+        ssl_context: ssl.SSLContext | None = None,
+        max_response_bytes: int = 64 * 1024,
+        answer_headers: tuple[str, ...] = (),
+    ) -> None:
+        self._https = https
+        self._host = host
+        self._port = port
+        self.path = path
+        self.headers = headers
+        self._ssl = ssl_context
+        self.max_response_bytes = max_response_bytes
+        self._answer_headers = answer_headers
+        self._conn: _DeadlineHTTP | _DeadlineHTTPS | None = None
+
+    def post(self, body: bytes, deadline: float) -> Answer:
+        """Post ``body``; the whole post, a stale connection's retry included, ends by
+        ``deadline`` (``time.monotonic()`` seconds)."""
+        reused = self._conn is not None
+        try:
+            return self._post_once(body, deadline)
+        except (OSError, http.client.HTTPException) as exc:
+            self.close()
+            # A kept-alive connection the server had closed fails on first use: once more,
+            # fresh (not after a timeout: that one did not fail for being stale).
+            if not reused or isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
+                raise
+        try:
+            return self._post_once(body, deadline)
+        except BaseException:
+            self.close()
+            raise
+
+    def cut(self, deadline: float) -> None:
+        """Let a post in flight (from another thread) run until ``deadline`` at the latest."""
+        conn = self._conn
+        if conn is not None:
+            conn.deadline = min(conn.deadline, deadline)
+
+    def close(self) -> None:
+        """Close the kept-alive connection (the next post opens a new one)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _post_once(self, body: bytes, deadline: float) -> Answer:
+        conn = self._connection()
+        conn.deadline = deadline
+        if conn.sock is None:
+            conn.timeout = max(0.001, deadline - time.monotonic())
+        conn.request("POST", self.path, body=body, headers=self.headers)
+        response = conn.getresponse()
+        limit = self.max_response_bytes
+        data = response.read(limit + 1)
+        complete = len(data) <= limit
+        headers = {
+            name: value
+            for name in self._answer_headers
+            if (value := response.getheader(name)) is not None
+        }
+        if not complete or response.will_close or not response.isclosed():
+            # Cut short (or to be closed by the server): the rest is not read, the
+            # connection goes.
+            self.close()
+        return Answer(response.status, data[:limit], complete, headers)
+
+    def _connection(self) -> _DeadlineHTTP | _DeadlineHTTPS:
+        if self._conn is None:
+            if self._https:
+                self._conn = _DeadlineHTTPS(self._host, self._port, context=self._ssl)
+            else:
+                self._conn = _DeadlineHTTP(self._host, self._port)
+        return self._conn
+
+
+def _remaining(conn: _DeadlineHTTP | _DeadlineHTTPS, doing: str) -> float:
+    remaining = conn.deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError(f"the upload's deadline passed while {doing}")
+    return min(remaining, _SLICE)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reading side whose every read must finish before ``conn.deadline``."""
+
+    def __init__(self, sock: socket.socket, conn: _DeadlineHTTP | _DeadlineHTTPS) -> None:
+        super().__init__()
+        self._sock = sock
+        # Held, never read through: it keeps the socket open (socket.close() waits for its
+        # makefile()s) while the response still reads, as http.client expects.
+        self._ref = sock.makefile("rb", buffering=0)
+        self._conn = conn
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        while True:
+            self._sock.settimeout(_remaining(self._conn, "reading the answer"))
+            try:
+                return self._sock.recv_into(buffer)
+            except TimeoutError:
+                continue  # one slice passed: check the deadline again
+
+    def close(self) -> None:
+        self._ref.close()
+        super().close()
+
+
+class _DeadlineSocket:
+    """The connection's socket, as http.client sees it: sends and reads within the deadline."""
+
+    def __init__(self, sock: socket.socket, conn: _DeadlineHTTP | _DeadlineHTTPS) -> None:
+        self._sock = sock
+        self._conn = conn
+
+    def sendall(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            self._sock.settimeout(_remaining(self._conn, "sending"))
+            try:
+                sent = self._sock.send(view)
+            except TimeoutError:
+                continue  # one slice passed: check the deadline again
+            view = view[sent:]
+
+    def makefile(self, mode: str, *args: Any, **kwargs: Any) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self._sock, self._conn))
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _DeadlineHTTP(http.client.HTTPConnection):
+    deadline = float("inf")
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock = cast(socket.socket, _DeadlineSocket(self.sock, self))
+
+
+class _DeadlineHTTPS(http.client.HTTPSConnection):
+    deadline = float("inf")
+
+    def connect(self) -> None:
+        super().connect()  # the TLS handshake runs under the connect timeout (the remainder)
+        self.sock = cast(socket.socket, _DeadlineSocket(self.sock, self))
