@@ -119,6 +119,14 @@ def recorder() -> Iterator[spanprof.RecorderBackend]:
 
 
 @pytest.fixture
+def fresh_log_once() -> Iterator[None]:
+    """Each test starts and ends with nothing logged once yet (it counts its own messages)."""
+    reset_log_once()
+    yield
+    reset_log_once()
+
+
+@pytest.fixture
 def span_exporter() -> InMemorySpanExporter:
     """Collects finished spans in memory."""
     return InMemorySpanExporter()

@@ -6,12 +6,11 @@ import gc
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,39 +25,12 @@ from spanprof._profiling._exporters._reachability import ReachabilityWatch
 from spanprof._profiling._runtime import ProfilerRuntime
 from spanprof._profiling._samplers._signal import Sampler
 from spanprof._profiling._samplers._timer import ThreadTimer
-from spanprof._profiling._window import StackTables, Window
 
 from .conftest import require
-from .e2e.faults import faulty_endpoint, read_request
 from .e2e.markers import MARKERS
 from .e2e.server import ROOT, free_port
+from .exporting import CountingWindows, log_messages, wait_until
 from .recording_server import PostedRequest, RecordingServer
-
-
-def _leaf() -> None:
-    return None
-
-
-def _window(value: int = 10_000_000) -> Window:
-    """A one-sample window (``_leaf``), labelled with one span."""
-    tables = StackTables()
-    code = _leaf.__code__
-    sid = tables.stack_of((tables.raw_frame(code, 0, code.co_firstlineno),))
-    window = Window(time.time_ns(), tables)
-    window.values[(sid, LabelSet({"span_id": "00000000000000aa"}))] = value
-    window.end_ns = window.start_ns + 1_000_000
-    return window
-
-
-class _Windows:
-    """A collect() for the pusher that counts how often it was called."""
-
-    def __init__(self) -> None:
-        self.taken = 0
-
-    def __call__(self) -> Window:
-        self.taken += 1
-        return _window()
 
 
 def _pusher(url: str, **options: object) -> Pusher:
@@ -75,26 +47,7 @@ def _pusher(url: str, **options: object) -> Pusher:
     return Pusher(**{**defaults, **options})  # type: ignore[arg-type]
 
 
-def _wait(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
-
-
-def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_log_once() -> Iterator[None]:
-    from spanprof._logging import reset_log_once
-
-    reset_log_once()
-    yield
-    reset_log_once()
+pytestmark = pytest.mark.usefixtures("fresh_log_once")
 
 
 # --- 1. header values ----------------------------------------------------------------------------
@@ -108,32 +61,6 @@ def test_the_uploader_refuses_what_it_could_not_send(options: dict[str, str], na
     """Pusher checks its own arguments like the settings do: ValueError, not a dead thread."""
     with pytest.raises(ValueError, match=name):
         _pusher("http://p:4040", **options)
-
-
-def test_no_exception_ends_the_upload_thread(caplog: pytest.LogCaptureFixture) -> None:
-    """An upload that raises something unexpected is logged once; windows keep being taken."""
-    with PushReceiver() as receiver:
-        pusher = _pusher(receiver.url)
-        # Fault injection: a header value http.client refuses (ValueError in putheader), past
-        # the configuration's checks.
-        pusher._headers["X-Scope-OrgID"] = "team-a\n"
-        windows = _Windows()
-        with caplog.at_level(logging.WARNING, logger="spanprof"):
-            pusher.start(windows)
-            try:
-                assert _wait(lambda: pusher.stats()["upload_errors"] >= 3, 5), pusher.stats()
-                taken = windows.taken
-                # Still taking the sampler's window every interval: its memory stays bounded.
-                assert _wait(lambda: windows.taken >= taken + 3, 5), windows.taken
-                assert pusher._thread is not None
-                assert pusher._thread.is_alive()
-                assert pusher.stats()["pending"] <= pusher.max_pending
-                # And it uploads again once the header is fixed.
-                pusher._headers["X-Scope-OrgID"] = "team-a"
-                assert receiver.wait_for(lambda r: r.pushes >= 1, timeout=5)
-            finally:
-                pusher.stop()
-    assert len(_messages(caplog, "goes on with the next window")) == 1
 
 
 # --- 7. credentials in the address ---------------------------------------------------------------
@@ -154,78 +81,17 @@ def test_credentials_in_the_address_are_sent_as_basic_auth_and_never_logged(
         assert backend.server_address == server.url
         assert (backend.basic_auth_username, backend.basic_auth_password) == ("alice", "s:cret")
         pusher = _pusher(address, upload_interval=3600)
-        windows = _Windows()
+        windows = CountingWindows()
         with caplog.at_level(logging.WARNING, logger="spanprof"):
             pusher.start(windows)
             pusher.stop()
     # base64("alice:s:cret")
     assert server.requests[0].headers["authorization"] == "Basic YWxpY2U6czpjcmV0"
     assert pusher.stats()["rejected"] == 1
-    (refused,) = _messages(caplog, "refused the profile upload's credentials")
+    (refused,) = log_messages(caplog, "refused the profile upload's credentials")
     assert "HTTP 401" in refused
     assert "PYROSCOPE_BASIC_AUTH_USER" in refused
     assert all("cret" not in r.getMessage() for r in caplog.records)
-
-
-# --- 8. slow and huge answers --------------------------------------------------------------------
-
-
-def test_a_trickling_server_cannot_hold_an_upload_past_its_deadline(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """An answer trickling a byte every 0.1 s fails the 0.5 s upload; the next window is taken."""
-    with faulty_endpoint("trickle", trickle_every=0.1) as address:
-        pusher = _pusher(address, timeout=0.5, upload_interval=0.2)
-        windows = _Windows()
-        with caplog.at_level(logging.WARNING, logger="spanprof"):
-            started = time.monotonic()
-            pusher.start(windows)
-            try:
-                assert _wait(lambda: pusher.stats()["failures"] >= 2, 6), pusher.stats()
-                assert windows.taken >= 2
-            finally:
-                pusher.stop()
-            elapsed = time.monotonic() - started
-    # Two uploads of at most 0.5 s each, plus intervals and back-off.
-    assert elapsed < 5, elapsed
-    (failed,) = _messages(caplog, "failed (no answer within 0.5 s")
-    assert address in failed
-
-
-def test_a_huge_answer_is_not_read_whole() -> None:
-    """A 200 with a 200 MB body: the uploader reads a few KiB and drops the connection."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4)
-    sent = [0]
-    size = 200 * 1024 * 1024
-
-    def serve() -> None:
-        conn = listener.accept()[0]
-        with conn:
-            read_request(conn)
-            chunk = b"x" * 65536
-            try:
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
-                while sent[0] < size:
-                    conn.sendall(chunk)
-                    sent[0] += len(chunk)
-            except OSError:
-                return
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        pusher = _pusher(f"http://127.0.0.1:{listener.getsockname()[1]}", upload_interval=3600)
-        pusher.start(_Windows())
-        pusher.stop()
-        thread.join(10)
-    finally:
-        listener.close()
-    assert not thread.is_alive()
-    assert pusher.stats()["uploads"] == 1
-    # Whatever loopback's socket buffers took before the connection was closed; not 200 MB.
-    assert sent[0] < 32 * 1024 * 1024, sent[0]
 
 
 # --- the sampler ---------------------------------------------------------------------------------
@@ -242,7 +108,7 @@ def sampler() -> Iterator[Sampler]:
         yield instance
     finally:
         instance.stop()
-        _wait(lambda: not getattr(instance, "restore_pending", False), 2)
+        wait_until(lambda: not getattr(instance, "restore_pending", False), 2)
         if signal.getsignal(signal.SIGPROF) != signal.SIG_DFL:
             signal.signal(signal.SIGPROF, signal.SIG_DFL)
 
@@ -331,7 +197,7 @@ def test_runtime_stop_restores_the_handler_though_it_flushes_off_the_main_thread
         runtime.start()
         assert backend.mode == "exact"
         runtime.stop()
-        assert _wait(lambda: signal.getsignal(signal.SIGPROF) == signal.SIG_DFL, 2)
+        assert wait_until(lambda: signal.getsignal(signal.SIGPROF) == signal.SIG_DFL, 2)
         assert signal.getsignal(signal.SIGPROF) == signal.SIG_DFL
 
 
@@ -454,10 +320,10 @@ def test_an_unreachable_server_is_logged_once(caplog: pytest.LogCaptureFixture) 
     watch = ReachabilityWatch(address, interval=0.05, who="pyroscope-io")
     with caplog.at_level(logging.WARNING, logger="spanprof"):
         watch.start()
-        assert _wait(lambda: watch.failures >= 1, 5)
+        assert wait_until(lambda: watch.failures >= 1, 5)
         time.sleep(0.2)
         watch.stop()
-    (message,) = _messages(caplog, "is unreachable")
+    (message,) = log_messages(caplog, "is unreachable")
     assert address in message
     assert "ConnectionRefusedError" in message
     assert "pyroscope-io does not log this itself" in message
@@ -471,9 +337,9 @@ def test_a_server_gone_at_shutdown_is_logged_then(caplog: pytest.LogCaptureFixtu
             watch = ReachabilityWatch(server.url, interval=60, who="pyroscope-io")
             watch.start()
             time.sleep(0.1)
-        assert _messages(caplog, "unreachable") == []
+        assert log_messages(caplog, "unreachable") == []
         watch.stop()
-    (message,) = _messages(caplog, "is unreachable")
+    (message,) = log_messages(caplog, "is unreachable")
     assert "at shutdown" in message
 
 
@@ -511,20 +377,3 @@ def test_the_pyroscope_backend_says_once_that_its_server_is_unreachable(tmp_path
     assert "done" in proc.stdout
     assert proc.stderr.count("is unreachable") == 1, proc.stderr
     assert address in proc.stderr
-
-
-def test_stop_cuts_an_upload_in_flight_to_the_flush_budget() -> None:
-    """stop() during an upload to a server that never answers returns within flush_timeout."""
-    with faulty_endpoint("hang") as address:
-        pusher = _pusher(address, timeout=30, upload_interval=0.1, flush_timeout=0.5)
-        pusher.start(_Windows())
-        time.sleep(0.4)  # the first upload is waiting for its answer now
-        started = time.monotonic()
-        thread = pusher._thread
-        pusher.stop()
-        took = time.monotonic() - started
-    assert thread is not None
-    assert not thread.is_alive()
-    # The upload in flight and the flush share the 0.5 s budget (plus one 0.25 s wait slice).
-    assert took < 1.2, took
-    assert pusher.stats()["dropped"] >= 1

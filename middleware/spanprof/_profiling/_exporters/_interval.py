@@ -42,6 +42,7 @@ class IntervalExporter:
     timeout: float
     flush_timeout: float
     backoff_max: float
+    max_pending: int
     _poster: Poster
 
     def _init_interval(
@@ -129,6 +130,10 @@ class IntervalExporter:
         self._finish()
 
     # --- what an exporter fills in --------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """The exporter's counters (each exporter names its own keys)."""
+        raise NotImplementedError
 
     def _export(self) -> None:
         """Take the interval's window, encode it, queue it (``_enqueue``)."""

@@ -1,0 +1,54 @@
+"""What the exporters' tests share: a one-sample window, a counting collect(), waiting, logs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from spanprof._labels._labelset import LabelSet
+from spanprof._profiling._window import StackTables, Window
+
+__all__ = ["CountingWindows", "log_messages", "one_sample_window", "wait_until"]
+
+
+def _leaf() -> None:
+    return None
+
+
+def one_sample_window(value: int = 10_000_000) -> Window:
+    """A one-sample window (``_leaf``), labelled with one span."""
+    tables = StackTables()
+    code = _leaf.__code__
+    sid = tables.stack_of((tables.raw_frame(code, 0, code.co_firstlineno),))
+    window = Window(time.time_ns(), tables)
+    window.values[(sid, LabelSet({"span_id": "00000000000000aa"}))] = value
+    window.end_ns = window.start_ns + 1_000_000
+    return window
+
+
+class CountingWindows:
+    """A collect() for an exporter that counts how often it was called."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    def __call__(self) -> Window:
+        self.taken += 1
+        return one_sample_window()
+
+
+def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` seconds passed; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def log_messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    """The messages logged so far that contain ``text``."""
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
