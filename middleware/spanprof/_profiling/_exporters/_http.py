@@ -78,6 +78,10 @@ class Poster:
             # fresh (not after a timeout: that one did not fail for being stale).
             if not reused or isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
                 raise
+        except BaseException:
+            # Whatever failed (a header http.client refuses...) left the connection mid-request.
+            self.close()
+            raise
         try:
             return self._post_once(body, deadline)
         except BaseException:
