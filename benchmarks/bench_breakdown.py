@@ -18,10 +18,13 @@ import json
 import sys
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._child import receiver_child_arguments, receiver_process, run_receiver_child
 from ._report import Section, Spread, markdown_table, paired_ratios
+
+if TYPE_CHECKING:
+    from spanprof._profiling._samplers._memory import MemorySampler
 
 __all__ = [
     "MEET_REQUESTS",
@@ -188,8 +191,8 @@ MEET_SAMPLE_BYTES = 4096
 MEET_REQUESTS = 2000
 
 
-def _meet_stacks(loop: asyncio.AbstractEventLoop, drive: Callable[[int], Any]) -> Any:
-    """The stack tables of a sampler that has met the request's allocation stacks.
+def _meet_stacks(loop: asyncio.AbstractEventLoop, drive: Callable[[int], Any]) -> MemorySampler:
+    """A stopped sampler whose stack tables have met the request's allocation stacks.
 
     A trivial request allocates ~50 KB over a few hundred distinct stacks, so at the default
     512 KiB (one sample per ~12 requests) a sampler keeps meeting new ones for tens of
@@ -208,7 +211,7 @@ def _meet_stacks(loop: asyncio.AbstractEventLoop, drive: Callable[[int], Any]) -
     return sampler
 
 
-def _adopt_stacks(part: Any, met: Any) -> None:
+def _adopt_stacks(part: Any, met: MemorySampler) -> None:
     """Hand ``met``'s interned stacks to ``part``'s (started) allocation sampler."""
     from spanprof._profiling._samplers._memory import MemorySampler
 
