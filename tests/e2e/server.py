@@ -82,6 +82,17 @@ def serve(
         try:
             wait_ready(health_url, process)
             yield process
+        except BaseException as exc:
+            # A server that died mid-test shows up as "connection refused": say it died, how,
+            # and what it printed last.
+            if process.poll() is not None and hasattr(exc, "add_note"):  # add_note: 3.11+
+                log.flush()
+                tail = log_path.read_bytes()[-4000:].decode(errors="replace")
+                exc.add_note(
+                    f"the server exited with {process.returncode} during the test (negative: "
+                    f"killed by that signal); the end of {log_path}:\n{tail}"
+                )
+            raise
         finally:
             if process.poll() is None:
                 process.send_signal(stop_signal)
