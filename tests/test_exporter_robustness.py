@@ -155,6 +155,8 @@ def test_no_exception_ends_the_upload_thread(kind: Kind, caplog: pytest.LogCaptu
                 assert exporter._thread is not None
                 assert exporter._thread.is_alive()
                 assert kind.stat(exporter, "pending") <= exporter.max_pending
+                # What failed so is dropped, not sent again: the same bytes would fail the same way.
+                assert kind.stat(exporter, "dropped") >= 3
                 # And it uploads again once the header is fixed.
                 headers["X-Scope-OrgID"] = "team-a"
                 assert wait_until(lambda: kind.received(receiver) >= 1, 5)

@@ -23,12 +23,11 @@ import email.utils
 import gzip
 import http.client
 import os
-import random
 import ssl
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
 from ..._config import parse_bool, parse_header_value, parse_int
@@ -44,9 +43,8 @@ from .._encoders._otlp import (
 from .._encoders._protowire import ProtoDecodeError, as_bytes, as_int, as_str, iter_fields
 from .._window import Window
 from ._http import Poster
-from ._interval import IntervalExporter, Payload
+from ._interval import IntervalExporter, Outcome, Wording
 from ._otlp_grpc import GrpcTransport, grpc_available
-from ._steps import StepTimer
 
 __all__ = [
     "OTLP_CONTENT_TYPE",
@@ -66,7 +64,6 @@ RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
 
 _DEFAULT_ENDPOINT = "http://localhost:4318"
 _DEFAULT_GRPC_ENDPOINT = "http://localhost:4317"
-_Outcome = Literal["ok", "retry", "reject"]
 
 
 def _variable(env: Mapping[str, str], suffix: str) -> tuple[str, str]:
@@ -288,6 +285,16 @@ class OtlpExporter(IntervalExporter):
     """
 
     thread_name = "spanprof-otlp-exporter"
+    wording = Wording(
+        key="otlp",
+        window="an OTLP profile window",
+        windows="OTLP profile windows",
+        post="an OTLP profile export",
+        sending="exporting profiles",
+        sender="exporter",
+        peer="endpoint",
+        dropped_key="otlp_dropped",
+    )
     gone_at_shutdown = "the endpoint did not answer before shutdown"
 
     def __init__(
@@ -310,13 +317,10 @@ class OtlpExporter(IntervalExporter):
         self._grpc = GrpcTransport(settings) if settings.protocol == "grpc" else None
         parts = urlsplit(settings.endpoint if self._grpc is None else "http://grpc")
         self.url = settings.endpoint
-        self.timeout = settings.timeout
         self.attributes = list(attributes)
         self._resource_attributes = resource_attributes
         self._resource: tuple[dict[str, object], bytes] | None = None
         self._scope = encode_scope()
-        self.max_pending = max_pending
-        self.backoff_initial = backoff_initial
         self.retry_after_max = retry_after_max
         self._headers = {
             "Content-Type": OTLP_CONTENT_TYPE,
@@ -344,22 +348,14 @@ class OtlpExporter(IntervalExporter):
         )
         self._init_interval(
             upload_interval=upload_interval,
-            timeout=self.timeout,
+            timeout=settings.timeout,
             flush_timeout=flush_timeout,
+            max_pending=max_pending,
+            backoff_initial=backoff_initial,
             backoff_max=backoff_max,
         )
-        self.uploads = 0
-        self.failures = 0
-        self.retries = 0
-        self.dropped = 0
-        self.rejected = 0
         self.rejected_profiles = 0
-        self.errors = 0
-        self.empty_windows = 0
-        self.bytes_sent = 0
         self.raw_bytes = 0
-        self._steps = StepTimer()
-        self.last_status: int | None = None
 
     def stats(self) -> dict[str, float]:
         """Export counters and the longest export step, each key prefixed ``otlp_``."""
@@ -383,15 +379,6 @@ class OtlpExporter(IntervalExporter):
         if self._grpc is not None:
             self._grpc.close()
 
-    def _unexpected(self) -> None:
-        self.errors += 1
-        self._close()
-        log_once(
-            "otlp-error",
-            f"spanprof: exporting profiles to {self.url} failed unexpectedly; the exporter goes "
-            "on with the next window (logged once)",
-        )
-
     def _resource_bytes(self) -> bytes:
         attributes = dict(self._resource_attributes())
         cached = self._resource
@@ -412,88 +399,17 @@ class OtlpExporter(IntervalExporter):
             return gzip.compress(encoder.request, compresslevel=6, mtime=0)
         return encoder.request
 
-    def _export(self) -> None:
-        collect = self._collect
-        if collect is None:
-            return
-        try:
-            window = collect()
-            # A memory window may hold in-use memory only: len() counts both.
-            if not window:
-                self.empty_windows += 1
-                return
-            body = self.encode(window)
-        except Exception:
-            log_once(
-                "otlp-encode",
-                "spanprof: encoding an OTLP profile window failed; it was dropped (logged once)",
-            )
-            self.dropped += 1
-            return
-        if len(self._queue) >= self.max_pending:
-            self._queue.popleft()
-            self._drop(1, f"{self.max_pending} windows already wait for the endpoint")
-        self._queue.append(Payload(body))
+    def _encode(self, window: Window) -> bytes:
+        return self.encode(window)
 
-    def _drop(self, count: int, why: str) -> None:
-        self.dropped += count
-        log_once(
-            "otlp-dropped",
-            f"spanprof: dropped OTLP profile windows because {why}; see "
-            "stats()['otlp_dropped'] (logged once)",
-            exc_info=False,
-        )
-
-    def _send_pending(self, *, deadline: float | None) -> None:
-        while self._queue:
-            payload = self._queue[0]
-            outcome, detail, wait = self._post(payload.body)
-            if outcome == "ok":
-                self._queue.popleft()
-                self.uploads += 1
-                self.bytes_sent += len(payload.body)
-                continue
-            if outcome == "reject":
-                self._queue.popleft()
-                self.rejected += 1
-                log_once(
-                    f"otlp-rejected-{detail}",
-                    f"spanprof: {self.url} rejected an OTLP profile export ({detail}); it was "
-                    "dropped (logged once)",
-                    exc_info=False,
-                )
-                continue
-            self.failures += 1
-            payload.attempts += 1
-            delay = min(self.backoff_max, self.backoff_initial * 2 ** (payload.attempts - 1))
-            delay *= random.uniform(0.8, 1.2)
-            if wait is not None:
-                delay = max(delay, min(wait, self.retry_after_max))
-            log_once(
-                "otlp-failed",
-                f"spanprof: exporting profiles to {self.url} failed ({detail}); retrying with "
-                f"back-off, keeping at most {self.max_pending} windows (logged once)",
-                exc_info=False,
-            )
-            if deadline is None:
-                self._retry_at = time.monotonic() + delay
-                self.retries += 1
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= delay:
-                # Shutting down: a retry the endpoint asks us to delay past the budget is lost.
-                return
-            self.retries += 1
-            time.sleep(delay)
-
-    def _post(self, body: bytes) -> tuple[_Outcome, str, float | None]:
+    def _post(self, body: bytes) -> tuple[Outcome, str, float | None]:
         if self._grpc is not None:
             # gRPC's timeout is one deadline already; stop() can only shorten the next one.
             timeout = min(self.timeout, max(0.001, self._stop_deadline - time.monotonic()))
             outcome, detail, wait, grpc_answer = self._grpc.export(body, timeout)
             if outcome == "ok":
                 self._partial_success(grpc_answer)
-            return outcome, detail, wait
+            return outcome, detail, self._capped(wait)
         # One deadline for the whole export, the stale-connection retry included.
         deadline = min(time.monotonic() + self.timeout, self._stop_deadline)
         try:
@@ -508,8 +424,16 @@ class OtlpExporter(IntervalExporter):
                 self._partial_success(answer.body)
             return "ok", str(status), None
         if status in RETRYABLE_STATUSES:
-            return "retry", f"HTTP {status}", retry_after(answer.headers.get("Retry-After"))
+            return (
+                "retry",
+                f"HTTP {status}",
+                self._capped(retry_after(answer.headers.get("Retry-After"))),
+            )
         return "reject", f"HTTP {status}", None
+
+    def _capped(self, wait: float | None) -> float | None:
+        # A Retry-After of an hour is not waited for: at most retry_after_max.
+        return None if wait is None else min(wait, self.retry_after_max)
 
     def _partial_success(self, answer: bytes) -> None:
         count, message = rejected_profiles(answer)

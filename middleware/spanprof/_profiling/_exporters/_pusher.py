@@ -15,7 +15,7 @@ and the oldest is dropped (and counted) to make room.
 Nothing the server does can hold the thread: each upload (connect, send, answer) has one
 overall deadline, however slowly the server trickles its answer, and at most
 ``max_response_bytes`` of an answer are read. No exception ends the thread either: an
-unexpected one is logged once and counted (``stats()['errors']``), and the next interval's
+unexpected one is logged once and counted (``stats()['upload_errors']``), and the next interval's
 window is taken as usual, so the sampler's window never grows past one interval.
 """
 
@@ -24,10 +24,9 @@ from __future__ import annotations
 import base64
 import gzip
 import http.client
-import random
 import time
 from collections.abc import Callable, Iterable
-from typing import Literal, Protocol
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from ..._config import parse_header_value, parse_server_address, redact_url, split_credentials
@@ -37,12 +36,9 @@ from .._encoders._push import PUSH_CONTENT_TYPE, PUSH_PATH, encode_push_request
 from .._encoders._window import WindowEncoder
 from .._window import Window
 from ._http import Poster
-from ._interval import IntervalExporter, Payload
-from ._steps import StepTimer
+from ._interval import IntervalExporter, Outcome, Wording
 
 __all__ = ["Pusher", "StepEncoder"]
-
-_Outcome = Literal["ok", "retry", "reject", "error"]
 
 #: Statuses that mean "these credentials (or this tenant) are not accepted".
 _AUTH_STATUSES = (401, 403)
@@ -82,6 +78,16 @@ class Pusher(IntervalExporter):
     """
 
     thread_name = "spanprof-exact-pusher"
+    wording = Wording(
+        key="exact-push",
+        window="a profile window",
+        windows="profile windows",
+        post="a profile upload",
+        sending="pushing profiles",
+        sender="uploader",
+        peer="server",
+        dropped_key="dropped",
+    )
     gone_at_shutdown = "the server did not answer before shutdown"
 
     def __init__(
@@ -115,8 +121,6 @@ class Pusher(IntervalExporter):
         self.period_ns = period_ns
         self.timeout = timeout
         self.max_response_bytes = max_response_bytes
-        self.max_pending = max_pending
-        self.backoff_initial = backoff_initial
         self._encoder = encoder
         self._headers = {
             "Content-Type": PUSH_CONTENT_TYPE,
@@ -138,20 +142,12 @@ class Pusher(IntervalExporter):
         )
         self._init_interval(
             upload_interval=upload_interval,
-            timeout=self.timeout,
+            timeout=timeout,
             flush_timeout=flush_timeout,
+            max_pending=max_pending,
+            backoff_initial=backoff_initial,
             backoff_max=backoff_max,
         )
-        self.uploads = 0
-        self.failures = 0
-        self.retries = 0
-        self.dropped = 0
-        self.rejected = 0
-        self.errors = 0
-        self.empty_windows = 0
-        self.bytes_sent = 0
-        self._steps = StepTimer()
-        self.last_status: int | None = None
 
     def stats(self) -> dict[str, float]:
         """Upload counters and the longest single export step (CPU and wall microseconds)."""
@@ -169,114 +165,35 @@ class Pusher(IntervalExporter):
 
     # --- the upload thread ----------------------------------------------------------------------
 
-    def _unexpected(self) -> None:
-        self.errors += 1
-        self._close()
-        log_once(
-            "exact-push-error",
-            f"spanprof: uploading profiles to {self.url} failed unexpectedly; the uploader goes "
-            "on with the next window (logged once)",
+    def _encode(self, window: Window) -> bytes:
+        encoder: StepEncoder = (
+            WindowEncoder(window, period_ns=self.period_ns)
+            if self._encoder is None
+            else self._encoder(window)
         )
+        while not encoder.done:
+            self._steps.run(encoder.step)
+        request: list[bytes] = []
+        self._steps.run(
+            lambda: request.append(encode_push_request([(self.labels, encoder.profiles)]))
+        )
+        # zlib releases the GIL while it deflates.
+        return gzip.compress(request[0], compresslevel=6, mtime=0)
 
-    def _export(self) -> None:
-        collect = self._collect
-        if collect is None:
+    def _rejected(self, detail: str) -> None:
+        if self.last_status not in _AUTH_STATUSES:
+            super()._rejected(detail)
             return
-        try:
-            window = collect()
-            if not window:
-                self.empty_windows += 1
-                return
-            encoder: StepEncoder = (
-                WindowEncoder(window, period_ns=self.period_ns)
-                if self._encoder is None
-                else self._encoder(window)
-            )
-            while not encoder.done:
-                self._steps.run(encoder.step)
-            request: list[bytes] = []
-            self._steps.run(
-                lambda: request.append(encode_push_request([(self.labels, encoder.profiles)]))
-            )
-            # zlib releases the GIL while it deflates.
-            body = gzip.compress(request[0], compresslevel=6, mtime=0)
-        except Exception:
-            log_once(
-                "exact-encode",
-                "spanprof: encoding a profile window failed; it was dropped (logged once)",
-            )
-            self.dropped += 1
-            return
-        if len(self._queue) >= self.max_pending:
-            self._queue.popleft()
-            self._drop(1, f"{self.max_pending} windows already wait for the server")
-        self._queue.append(Payload(body))
-
-    def _drop(self, count: int, why: str) -> None:
-        self.dropped += count
         log_once(
-            "exact-push-dropped",
-            f"spanprof: dropped profile windows because {why}; see stats()['dropped'] "
-            "(logged once)",
+            "exact-push-auth",
+            f"spanprof: {self.url} refused the profile upload's credentials ({detail}); "
+            "profiles are dropped until it accepts them. Check PYROSCOPE_BASIC_AUTH_USER / "
+            "PYROSCOPE_BASIC_AUTH_PASSWORD (or user:password@ in PYROSCOPE_SERVER_ADDRESS) "
+            "and PYROSCOPE_TENANT_ID (logged once)",
             exc_info=False,
         )
 
-    def _send_pending(self, *, deadline: float | None) -> None:
-        while self._queue:
-            payload = self._queue[0]
-            outcome, detail = self._post(payload.body)
-            if outcome == "ok":
-                self._queue.popleft()
-                self.uploads += 1
-                self.bytes_sent += len(payload.body)
-                continue
-            if outcome == "error":
-                # Not the network's fault: sending the same bytes again would fail the same way.
-                self._queue.popleft()
-                self._drop(1, f"uploading failed unexpectedly ({detail})")
-                continue
-            if outcome == "reject":
-                self._queue.popleft()
-                self.rejected += 1
-                if self.last_status in _AUTH_STATUSES:
-                    log_once(
-                        "exact-push-auth",
-                        f"spanprof: {self.url} refused the profile upload's credentials "
-                        f"({detail}); profiles are dropped until it accepts them. Check "
-                        "PYROSCOPE_BASIC_AUTH_USER / PYROSCOPE_BASIC_AUTH_PASSWORD (or "
-                        "user:password@ in PYROSCOPE_SERVER_ADDRESS) and PYROSCOPE_TENANT_ID "
-                        "(logged once)",
-                        exc_info=False,
-                    )
-                    continue
-                log_once(
-                    f"exact-push-rejected-{detail}",
-                    f"spanprof: {self.url} rejected a profile upload ({detail}); it was dropped "
-                    "(logged once)",
-                    exc_info=False,
-                )
-                continue
-            self.failures += 1
-            payload.attempts += 1
-            delay = min(self.backoff_max, self.backoff_initial * 2 ** (payload.attempts - 1))
-            delay *= random.uniform(0.8, 1.2)
-            log_once(
-                "exact-push-failed",
-                f"spanprof: pushing profiles to {self.url} failed ({detail}); retrying with "
-                f"back-off, keeping at most {self.max_pending} windows (logged once)",
-                exc_info=False,
-            )
-            if deadline is None:
-                self._retry_at = time.monotonic() + delay
-                self.retries += 1
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            self.retries += 1
-            time.sleep(min(delay, remaining))
-
-    def _post(self, body: bytes) -> tuple[_Outcome, str]:
+    def _post(self, body: bytes) -> tuple[Outcome, str, float | None]:
         # One deadline for the whole upload, the stale-connection retry included.
         deadline = min(time.monotonic() + self.timeout, self._stop_deadline)
         self._poster.max_response_bytes = self.max_response_bytes
@@ -284,23 +201,14 @@ class Pusher(IntervalExporter):
             answer = self._poster.post(body, deadline)
         except (OSError, http.client.HTTPException) as exc:
             if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
-                return "retry", f"no answer within {self.timeout:g} s ({exc or 'timeout'})"
-            return "retry", f"{type(exc).__name__}: {exc}"
-        except Exception as exc:
-            self._poster.close()
-            self.errors += 1
-            log_once(
-                "exact-push-error",
-                f"spanprof: uploading profiles to {self.url} failed unexpectedly; the "
-                "uploader goes on with the next window (logged once)",
-            )
-            return "error", f"{type(exc).__name__}: {exc}"
+                return "retry", f"no answer within {self.timeout:g} s ({exc or 'timeout'})", None
+            return "retry", f"{type(exc).__name__}: {exc}", None
         status = self.last_status = answer.status
         if 200 <= status < 300:
-            return "ok", str(status)
+            return "ok", str(status), None
         if status in (408, 429) or status >= 500:
-            return "retry", f"HTTP {status}"
-        return "reject", f"HTTP {status}"
+            return "retry", f"HTTP {status}", None
+        return "reject", f"HTTP {status}", None
 
     def _close(self) -> None:
         self._poster.close()
