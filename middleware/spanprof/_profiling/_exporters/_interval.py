@@ -12,6 +12,7 @@ grows past one interval.
 from __future__ import annotations
 
 import collections
+import http.client
 import random
 import threading
 import time
@@ -22,7 +23,7 @@ from typing import Literal
 from ..._logging import log_once
 from .._window import Window
 from ._fanout import run_thread_init
-from ._http import Poster
+from ._http import Answer, Poster
 from ._steps import StepTimer
 
 __all__ = ["IntervalExporter", "Outcome", "Payload", "Wording"]
@@ -254,6 +255,19 @@ class IntervalExporter:
                 return
             self.retries += 1
             time.sleep(min(delay, remaining))
+
+    def _post_http(self, body: bytes) -> Answer | str:
+        """Post ``body`` under one deadline (``timeout``, cut by ``stop()``): the answer, or
+        why none came (a detail for the retry's log line)."""
+        deadline = min(time.monotonic() + self.timeout, self._stop_deadline)
+        try:
+            answer = self._poster.post(body, deadline)
+        except (OSError, http.client.HTTPException) as exc:
+            if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
+                return f"no answer within {self.timeout:g} s ({exc or 'timeout'})"
+            return f"{type(exc).__name__}: {exc}"
+        self.last_status = answer.status
+        return answer
 
     def _unexpected(self) -> None:
         self.errors += 1

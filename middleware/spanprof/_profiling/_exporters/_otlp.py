@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import email.utils
 import gzip
-import http.client
 import os
 import ssl
 import time
@@ -410,15 +409,10 @@ class OtlpExporter(IntervalExporter):
             if outcome == "ok":
                 self._partial_success(grpc_answer)
             return outcome, detail, self._capped(wait)
-        # One deadline for the whole export, the stale-connection retry included.
-        deadline = min(time.monotonic() + self.timeout, self._stop_deadline)
-        try:
-            answer = self._poster.post(body, deadline)
-        except (OSError, http.client.HTTPException) as exc:
-            if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
-                return "retry", f"no answer within {self.timeout:g} s ({exc or 'timeout'})", None
-            return "retry", f"{type(exc).__name__}: {exc}", None
-        status = self.last_status = answer.status
+        answer = self._post_http(body)
+        if isinstance(answer, str):
+            return "retry", answer, None
+        status = answer.status
         if 200 <= status < 300:
             if answer.complete:
                 self._partial_success(answer.body)

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import base64
 import gzip
-import http.client
-import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -120,7 +118,6 @@ class Pusher(IntervalExporter):
         self.labels = list(labels)
         self.period_ns = period_ns
         self.timeout = timeout
-        self.max_response_bytes = max_response_bytes
         self._encoder = encoder
         self._headers = {
             "Content-Type": PUSH_CONTENT_TYPE,
@@ -194,16 +191,10 @@ class Pusher(IntervalExporter):
         )
 
     def _post(self, body: bytes) -> tuple[Outcome, str, float | None]:
-        # One deadline for the whole upload, the stale-connection retry included.
-        deadline = min(time.monotonic() + self.timeout, self._stop_deadline)
-        self._poster.max_response_bytes = self.max_response_bytes
-        try:
-            answer = self._poster.post(body, deadline)
-        except (OSError, http.client.HTTPException) as exc:
-            if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
-                return "retry", f"no answer within {self.timeout:g} s ({exc or 'timeout'})", None
-            return "retry", f"{type(exc).__name__}: {exc}", None
-        status = self.last_status = answer.status
+        answer = self._post_http(body)
+        if isinstance(answer, str):
+            return "retry", answer, None
+        status = answer.status
         if 200 <= status < 300:
             return "ok", str(status), None
         if status in (408, 429) or status >= 500:
