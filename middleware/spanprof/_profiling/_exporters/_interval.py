@@ -65,8 +65,6 @@ class IntervalExporter:
 
     #: The thread's name (in thread dumps and py-spy).
     thread_name = "spanprof-exporter"
-    #: Why windows still waiting at shutdown were dropped, as the log line says it.
-    gone_at_shutdown = "the endpoint did not answer before shutdown"
 
     wording = Wording(
         key="export",
@@ -179,7 +177,7 @@ class IntervalExporter:
         except Exception:
             self._unexpected()
         if self._queue:
-            self._drop(len(self._queue), self.gone_at_shutdown)
+            self._drop(len(self._queue), f"the {self.wording.peer} did not answer before shutdown")
             self._queue.clear()
         self._poster.close()
         self._finish()

@@ -294,7 +294,6 @@ class OtlpExporter(IntervalExporter):
         peer="endpoint",
         dropped_key="otlp_dropped",
     )
-    gone_at_shutdown = "the endpoint did not answer before shutdown"
 
     def __init__(
         self,
@@ -438,6 +437,3 @@ class OtlpExporter(IntervalExporter):
                 f"spanprof: {self.url} rejected {count} profile(s): {message} (logged once)",
                 exc_info=False,
             )
-
-    def _close(self) -> None:
-        self._poster.close()

@@ -86,7 +86,6 @@ class Pusher(IntervalExporter):
         peer="server",
         dropped_key="dropped",
     )
-    gone_at_shutdown = "the server did not answer before shutdown"
 
     def __init__(
         self,
@@ -200,6 +199,3 @@ class Pusher(IntervalExporter):
         if status in (408, 429) or status >= 500:
             return "retry", f"HTTP {status}", None
         return "reject", f"HTTP {status}", None
-
-    def _close(self) -> None:
-        self._poster.close()
