@@ -394,6 +394,8 @@ class GrpcProfilesReceiver:
         self.metadata: list[dict[str, str]] = []
         self.times: list[float] = []
         self.errors: list[str] = []
+        #: Set to let "hang" calls end (done at exit, so the server stops at once).
+        self.release = threading.Event()
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
         handler = grpc.method_handlers_generic_handler(
             "opentelemetry.proto.collector.profiles.v1development.ProfilesService",
@@ -413,6 +415,10 @@ class GrpcProfilesReceiver:
 
         self.times.append(time.monotonic())
         outcome = self.script.pop(0) if self.script else "ok"
+        if outcome == "hang":
+            # Never answers in time: only the caller's deadline, a cancel or stop ends it.
+            self.release.wait(30)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "hung")
         if outcome == "unavailable":
             context.abort(grpc.StatusCode.UNAVAILABLE, "down for a moment")
         if outcome == "invalid":
@@ -443,4 +449,5 @@ class GrpcProfilesReceiver:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.release.set()
         self.server.stop(grace=None)

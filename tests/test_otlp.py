@@ -843,3 +843,34 @@ def test_grpc_settings_from_the_environment() -> None:
         OtlpSettings.from_env(
             {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_INSECURE": "maybe"}
         )
+
+
+def test_grpc_stop_cuts_an_export_in_flight_to_the_flush_budget() -> None:
+    """stop() while an Export call waits on a server that never answers returns within the
+    flush budget, though the call's own timeout is 30 s (gRPC's deadline is set per call, so
+    only a cancel can shorten it once it is sent)."""
+    _require_grpc()
+    with GrpcProfilesReceiver(["hang", "hang", "hang"]) as receiver:
+        settings = OtlpSettings(
+            endpoint=f"http://127.0.0.1:{receiver.port}", protocol="grpc", timeout=30.0
+        )
+        exporter = OtlpExporter(
+            settings,
+            upload_interval=0.1,
+            flush_timeout=0.5,
+            resource_attributes=lambda: RESOURCE,
+        )
+        exporter.start(_windows(lambda n: _window((_labels(n), 5))))
+        deadline = time.monotonic() + 10
+        while not receiver.times and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert receiver.times, "the first Export never reached the server"
+        thread = exporter._thread
+        started = time.monotonic()
+        exporter.stop()
+        took = time.monotonic() - started
+    assert thread is not None
+    assert not thread.is_alive()
+    # The call in flight and the flush share the 0.5 s budget.
+    assert took < 1.2, took
+    assert exporter.stats()["otlp_dropped"] >= 1

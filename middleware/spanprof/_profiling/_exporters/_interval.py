@@ -138,7 +138,7 @@ class IntervalExporter:
         self._thread = None
         # The flush, a post in flight included, has flush_timeout from now.
         self._stop_deadline = time.monotonic() + self.flush_timeout
-        self._poster.cut(self._stop_deadline)
+        self._cut(self._stop_deadline)
         self._stop.set()
         # The flush's posts time out within flush_timeout too (see _run).
         thread.join(2 * self.flush_timeout + 1.0)
@@ -307,6 +307,10 @@ class IntervalExporter:
         """Post ``body`` once: what came of it, a detail for the log, and how long the
         endpoint asked to wait before another try (``None``: it did not say)."""
         raise NotImplementedError
+
+    def _cut(self, deadline: float) -> None:
+        """From ``stop()``: no post in flight may outlast ``deadline`` (monotonic)."""
+        self._poster.cut(deadline)
 
     def _finish(self) -> None:
         """Last thing the thread does (an exporter's own transport to close)."""

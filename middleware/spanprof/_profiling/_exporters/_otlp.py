@@ -373,6 +373,11 @@ class OtlpExporter(IntervalExporter):
 
     # --- the export thread ----------------------------------------------------------------------
 
+    def _cut(self, deadline: float) -> None:
+        super()._cut(deadline)
+        if self._grpc is not None:
+            self._grpc.wake()  # it reads _stop_deadline again
+
     def _finish(self) -> None:
         if self._grpc is not None:
             self._grpc.close()
@@ -402,9 +407,11 @@ class OtlpExporter(IntervalExporter):
 
     def _post(self, body: bytes) -> tuple[Outcome, str, float | None]:
         if self._grpc is not None:
-            # gRPC's timeout is one deadline already; stop() can only shorten the next one.
+            # gRPC's timeout is one deadline already; stop() cuts a call in flight (cut()).
             timeout = min(self.timeout, max(0.001, self._stop_deadline - time.monotonic()))
-            outcome, detail, wait, grpc_answer = self._grpc.export(body, timeout)
+            outcome, detail, wait, grpc_answer = self._grpc.export(
+                body, timeout, lambda: self._stop_deadline
+            )
             if outcome == "ok":
                 self._partial_success(grpc_answer)
             return outcome, detail, self._capped(wait)

@@ -9,6 +9,10 @@ sends a ``RetryInfo`` (whose delay is then honoured); anything else drops the wi
 
 from __future__ import annotations
 
+import math
+import threading
+import time
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
@@ -97,6 +101,11 @@ class GrpcTransport:
         self._channel: Any = None
         self._call: Any = None
         self._metadata = tuple((k.lower(), v) for k, v in settings.headers)
+        self._wake = threading.Event()
+
+    def wake(self) -> None:
+        """Make a call in flight read its ``until()`` again (from another thread)."""
+        self._wake.set()
 
     def _connect(self) -> Any:
         import grpc
@@ -131,13 +140,34 @@ class GrpcTransport:
             )
         return self._call
 
-    def export(self, body: bytes, timeout: float) -> tuple[_Outcome, str, float | None, bytes]:
-        """``(outcome, detail, wait seconds or None, response bytes)`` of one Export call."""
+    def export(
+        self, body: bytes, timeout: float, until: Callable[[], float] = lambda: math.inf
+    ) -> tuple[_Outcome, str, float | None, bytes]:
+        """``(outcome, detail, wait seconds or None, response bytes)`` of one Export call.
+
+        A call's deadline is fixed when it is sent, so a sooner end (``stop()``) is a cancel:
+        the call is cancelled once ``time.monotonic()`` passes ``until()``, which is read again
+        whenever ``wake()`` is called.
+        """
         import grpc
 
         call = self._connect()
+        wake = self._wake
+        wake.clear()
+        future = call.future(body, timeout=timeout, metadata=self._metadata)
+        future.add_done_callback(lambda _future: wake.set())
+        # Cleared before until() is read, so a wake() after the read is not missed.
+        while not future.done():
+            remaining = until() - time.monotonic()
+            if remaining <= 0:
+                future.cancel()
+                break
+            wake.wait(None if remaining == math.inf else remaining)
+            wake.clear()
+        if future.cancelled():
+            return "retry", "gRPC call cut short by shutdown", None, b""
         try:
-            answer: bytes = call(body, timeout=timeout, metadata=self._metadata)
+            answer: bytes = future.result()
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             name = getattr(code, "name", "UNKNOWN")
