@@ -8,9 +8,14 @@ stores and its page, no app), and read back through the page's APIs.
 from __future__ import annotations
 
 import functools
+import gzip
+import os
+import shutil
+import subprocess
 import time
 import tracemalloc
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,11 +33,12 @@ from spanprof._profiling._encoders._memory import (
     memory_series_labels,
 )
 from spanprof._profiling._encoders._otlp_memory import OtlpMemoryEncoder
-from spanprof._profiling._encoders._pprof import Profile, Sample
+from spanprof._profiling._encoders._pprof import Profile, Sample, decode_profile
 from spanprof._profiling._encoders._push import PushSeries
 from spanprof._profiling._exporters._pusher import Pusher
 from spanprof._profiling._window import Frame, MemoryWindow, StackTables
 
+from .conftest import require
 from .test_otlp import _exporter
 
 PERIOD = 524288
@@ -254,7 +260,65 @@ def test_otlp_memory_profiles_draw_the_same_flame_graphs_as_the_push(local: Loca
     assert leaves(flamegraph(local, SPAN, "inuse_space")["root"]) == {"hoard": 2 * 10_240}
 
 
-@pytest.mark.parametrize("path", ["/api/flamegraph", "/api/compare"])
+def test_a_span_s_memory_downloads_as_a_pprof_go_tool_pprof_reads(
+    local: LocalMode, tmp_path: Path
+) -> None:
+    """``/api/pprof?kind=<memory kind>``: the span's allocations and in-use memory in one pprof
+    (Go's heap profile types, period ``space/bytes``), the kind asked for shown first, every
+    sample labelled with the span; read by our decoder and by ``go tool pprof``."""
+    window = (
+        _Window()
+        .alloc(hoard, _labels(SPAN), 4 * 1024 * 1024, 40)
+        .alloc(churn, _labels(SPAN), 1024 * 1024, 10)
+        .alloc(churn, _labels(OTHER), 999, 1)
+        .keep(hoard, _labels(SPAN), 2 * 1024 * 1024, 20)
+        .build()
+    )
+    push(local, window)
+    response = httpx.get(
+        f"{local.ui_url}api/pprof", params={"span_id": SPAN, "kind": "inuse_space"}, timeout=10
+    )
+    assert response.status_code == 200, response.text
+    assert f"spanprof-{SPAN}-memory.pb.gz" in response.headers["content-disposition"]
+    profile = decode_profile(gzip.decompress(response.content))
+    assert profile.sample_types == MEMORY_SAMPLE_TYPES
+    assert (profile.period_type, profile.period) == (MEMORY_PERIOD_TYPE, PERIOD)
+    assert profile.default_sample_type == "inuse_space"
+    by_leaf = {sample.stack[0].function: sample.values for sample in profile.samples}
+    assert by_leaf == {
+        "hoard": (40, 4 * 1024 * 1024, 20, 2 * 1024 * 1024),
+        "churn": (10, 1024 * 1024, 0, 0),
+    }
+    assert all(("span_id", SPAN) in sample.labels for sample in profile.samples)
+    # No memory of a span, or no such kind: said, not an empty file.
+    missing = httpx.get(
+        f"{local.ui_url}api/pprof",
+        params={"span_id": "00000000000000c3", "kind": "alloc_space"},
+        timeout=10,
+    )
+    assert missing.status_code == 404
+    assert "no memory samples" in missing.json()["error"]
+
+    go = shutil.which("go")
+    require(go is not None, "go tool pprof (Debian's golang-go) is not installed")
+    assert go is not None
+    path = tmp_path / "memory.pb.gz"
+    path.write_bytes(response.content)
+    result = subprocess.run(
+        [go, "tool", "pprof", "-top", "-sample_index=inuse_space", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        # go keeps its caches under HOME; a fresh one keeps the test hermetic.
+        env={**os.environ, "HOME": str(tmp_path), "GOTOOLCHAIN": "local"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "hoard" in result.stdout
+    assert "churn" not in result.stdout  # nothing of it is in use
+    assert "2MB" in result.stdout.replace(" ", ""), result.stdout
+
+
+@pytest.mark.parametrize("path", ["/api/flamegraph", "/api/compare", "/api/pprof"])
 @pytest.mark.parametrize("kind", ["CPU", "alloc", "inuse_space ", "heap", "x" * 5000])
 def test_flame_graph_apis_reject_an_unknown_kind(local: LocalMode, path: str, kind: str) -> None:
     """A kind that is not one of the five is a 400 that names the five, not a CPU graph (an

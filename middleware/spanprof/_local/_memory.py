@@ -20,12 +20,14 @@ by the span store's verdicts when asked.
 
 from __future__ import annotations
 
+import gzip
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._profiling._encoders._pprof import ProfileBuilder
 from .._profiling._encoders._push import PushSeries
 from .._profiling._window import Frame
 from ._compare import SIDES, SloComparison
@@ -42,6 +44,15 @@ MEMORY_UNITS = {
     "inuse_objects": "count",
 }
 MEMORY_KINDS = tuple(MEMORY_UNITS)
+# A span's memory pprof: Go's heap profile types, in Go's order, and its period type.
+_PPROF_TYPES = (
+    ("alloc_objects", "count"),
+    ("alloc_space", "bytes"),
+    ("inuse_objects", "count"),
+    ("inuse_space", "bytes"),
+)
+_PERIOD_TYPE = ("space", "bytes")
+_DEFAULT_PERIOD = 512 * 1024
 # Where each kind is in a kept row: [objects, bytes].
 _ROW = {"alloc_objects": 0, "alloc_space": 1, "inuse_objects": 0, "inuse_space": 1}
 _MAX_ID = 64
@@ -134,6 +145,8 @@ class MemoryStore:
         self._max_series = max_series
         self._max_bytes = max_bytes
         self._totals = _Totals()
+        # The memory profiles' sampling period (mean bytes between samples), as last pushed.
+        self._period = _DEFAULT_PERIOD
         self._comparisons = {
             kind: SloComparison(max_bytes=comparison_bytes, unit=MEMORY_UNITS[kind])
             for kind in ("alloc_space", "alloc_objects")
@@ -170,6 +183,8 @@ class MemoryStore:
     def _add_series(self, series: PushSeries, snapshot: _Snapshot) -> None:
         totals = self._totals
         for profile in series.profiles:
+            if profile.period > 0:
+                self._period = profile.period
             types = profile.sample_types
             ao, ab = _position(types, "alloc_objects"), _position(types, "alloc_space")
             io, ib = _position(types, "inuse_objects"), _position(types, "inuse_space")
@@ -306,6 +321,43 @@ class MemoryStore:
                     if row[position]:
                         out[stack] = out.get(stack, 0) + row[position]
         return out
+
+    def pprof(self, span_id: str, kind: str, labels: Sequence[tuple[str, str]]) -> bytes | None:
+        """``span_id``'s memory as a gzip-compressed pprof, the way Go heap profiles come.
+
+        Four sample types: ``alloc_objects`` and ``alloc_space`` (since the span's first
+        upload), ``inuse_objects`` and ``inuse_space`` (the latest snapshots); period type
+        ``space/bytes``; ``kind`` (one of ``MEMORY_KINDS``) is the type a viewer shows first.
+        Every sample carries ``labels``. ``None`` when nothing of the span was received.
+        """
+        rows: dict[_Stack, list[int]] = {}
+        with self._lock:
+            alloc = self._alloc.get(span_id)
+            sources = [(0, alloc)] + [
+                (2, snapshot.spans.get(span_id)) for snapshot in self._snapshots.values()
+            ]
+            for offset, span in sources:
+                if span is None:
+                    continue
+                for stack, (objects, size) in span.stacks.items():
+                    row = rows.get(stack)
+                    if row is None:
+                        row = rows[stack] = [0, 0, 0, 0]
+                    row[offset] += objects
+                    row[offset + 1] += size
+            period = self._period
+        if not rows:
+            return None
+        builder = ProfileBuilder(
+            _PPROF_TYPES,
+            _PERIOD_TYPE,
+            period,
+            comments=(f"spanprof local mode: memory of span {span_id}",),
+            default_sample_type=kind,
+        )
+        for stack, row in rows.items():
+            builder.add(stack, row, labels)
+        return gzip.compress(builder.build(), mtime=0)
 
     def inuse_at(self) -> float | None:
         """When the newest in-use snapshot arrived (Unix seconds), if any did."""

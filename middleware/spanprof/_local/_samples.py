@@ -266,8 +266,15 @@ class SampleStore:
             return flame_tree(f"span {span_id}", ())
         return flame_tree(profile.span_name or f"span {span_id}", profile.stacks.items())
 
-    def pprof(self, span_id: str) -> bytes | None:
-        """A gzip-compressed pprof of the span's samples, labelled like the originals."""
+    def pprof(self, span_id: str, kind: str = "cpu") -> bytes | None:
+        """A gzip-compressed pprof of the span's samples, labelled like the originals.
+
+        ``kind`` ``cpu`` (default): its CPU samples; a memory kind (``alloc_space`` …): its
+        memory profile with all four memory types, that one shown first (see
+        ``MemoryStore.pprof``). ``None`` when no such sample of the span was received.
+        """
+        if kind != "cpu":
+            return self.memory.pprof(span_id, kind, self._pprof_labels(span_id))
         profile = self.span(span_id)
         if profile is None:
             return None
@@ -280,11 +287,7 @@ class SampleStore:
             comments=(f"spanprof local mode: samples of span {span_id}",),
             default_sample_type=_CPU_TYPE[0],
         )
-        labels = [("span_id", span_id)]
-        if profile.trace_id:
-            labels.append(("trace_id", profile.trace_id))
-        if profile.span_name:
-            labels.append(("span_name", profile.span_name))
+        labels = self._pprof_labels(span_id)
         for stack, value in profile.stacks.items():
             builder.add(stack, value, labels)
         # The uploads arrive once a second; the span ran within the second before the first.
@@ -294,3 +297,13 @@ class SampleStore:
             duration_nanos=int(max(profile.last_seen - start, 0.0) * 1e9),
         )
         return gzip.compress(raw, mtime=0)
+
+    def _pprof_labels(self, span_id: str) -> list[tuple[str, str]]:
+        """``span_id``, and the trace id and span name its CPU samples carried, if any."""
+        labels = [("span_id", span_id)]
+        profile = self.span(span_id)
+        if profile is not None and profile.trace_id:
+            labels.append(("trace_id", profile.trace_id))
+        if profile is not None and profile.span_name:
+            labels.append(("span_name", profile.span_name))
+        return labels

@@ -15,7 +15,9 @@ Routes (all ``GET``):
   ``alloc_objects`` (objects allocated), ``inuse_space`` or ``inuse_objects`` (in use at the
   latest upload); anything else is answered 400;
 - ``/api/trace?trace_id=ID``: the spans of a trace, by start time;
-- ``/api/pprof?span_id=ID``: the same samples as a gzip-compressed pprof download;
+- ``/api/pprof?span_id=ID&kind=KIND``: the same samples as a gzip-compressed pprof download:
+  ``cpu`` (the default), or for a memory kind the span's memory profile with all four memory
+  types, that kind first;
 - ``/api/compare?kind=KIND``: the routes with ``slo``-labelled samples of that kind (``cpu``
   by default), each side's requests and samples;
 - ``/api/compare?route=NAME&kind=KIND``: that route's breaching requests against its good
@@ -458,10 +460,15 @@ class UiServer:
         span_id = query.get("span_id", "")
         if not _SPAN_ID.match(span_id):
             return _ok({"error": "span_id: expected 16 lowercase hex digits"}, 400)
-        data = self.samples.pprof(span_id)
+        kind = query.get("kind", _KINDS[0])
+        if kind not in _KINDS:
+            return _bad_kind(kind)
+        data = self.samples.pprof(span_id, kind)
         if data is None:
-            return _ok({"error": f"no profile samples for span {span_id} (yet)"}, 404)
-        headers = {"Content-Disposition": f'attachment; filename="spanprof-{span_id}.pb.gz"'}
+            what = "profile" if kind == "cpu" else "memory"
+            return _ok({"error": f"no {what} samples for span {span_id} (yet)"}, 404)
+        name = f"spanprof-{span_id}" if kind == "cpu" else f"spanprof-{span_id}-memory"
+        headers = {"Content-Disposition": f'attachment; filename="{name}.pb.gz"'}
         return 200, data, "application/octet-stream", headers
 
     def _compare(self, query: dict[str, str]) -> _ApiResult:

@@ -266,8 +266,8 @@
     clearTimeout(state.profileTimer);
     const kind = state.kind;
     const link = $("pprof-link");
-    link.href = "/api/pprof?span_id=" + spanId;
-    link.setAttribute("download", "spanprof-" + spanId + ".pb.gz");
+    link.href = "/api/pprof?span_id=" + spanId + (kind === "cpu" ? "" : "&kind=" + kind);
+    link.setAttribute("download", "spanprof-" + spanId + (kind === "cpu" ? "" : "-memory") + ".pb.gz");
     $("flamegraph-scope").textContent = "only samples labelled span_id=" + spanId;
     let data;
     try {
@@ -279,8 +279,8 @@
     // Another span or kind was picked meanwhile.
     if (!state.selected || state.selected.span_id !== spanId || state.kind !== kind) return;
     renderMeta(data.span, spanId, state.selected.trace_id, data.alloc_bytes);
-    // The pprof download is the span's CPU samples, whichever kind is drawn.
-    link.classList.toggle("disabled", data.total_ns === 0);
+    // The pprof download is the kind drawn: CPU samples, or the span's memory profile.
+    link.classList.toggle("disabled", kind === "cpu" ? data.total_ns === 0 : data.total === 0);
     if (data.total === 0) {
       const chart = $("flamegraph");
       chart.textContent = "";
