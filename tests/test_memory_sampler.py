@@ -7,6 +7,7 @@ import contextvars
 import importlib
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 import sysconfig
@@ -447,6 +448,49 @@ print("ok")
     assert "refused:" in result.stdout
     assert "another allocator hook" in result.stdout
     assert result.stdout.strip().endswith("ok")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
+def test_a_forked_child_does_not_sample_until_it_starts_its_own_sampler() -> None:
+    """A child forked from a sampling process (a multiprocessing worker, a subprocess before
+    its exec) has the hooks but no drain thread: it gets the previous allocators back at the
+    fork, so it neither pays for sampling nor fills buffers nobody drains. A sampler started in
+    the child then samples there."""
+    _available()
+    script = """
+import os, sys
+from spanprof._profiling._samplers._memory import MemorySampler
+from spanprof._profiling._samplers import _alloc
+before = [_alloc.allocator(domain) for domain in (0, 1, 2)]
+sampler = MemorySampler(sample_bytes=1024, drain_interval=3600.0)
+sampler.start()
+assert _alloc.allocator(2) != before[2]
+pid = os.fork()
+if pid == 0:
+    status = 0
+    if [_alloc.allocator(domain) for domain in (0, 1, 2)] != before:
+        print("child: the parent's hooks are still installed", flush=True)
+        status = 1
+    blocks = [bytes(1000) for _ in range(1000)]
+    sampler.start()  # the child's own: it samples
+    blocks = [bytes(1000) for _ in range(1000)]
+    window = sampler.take_window()
+    sampler.stop()
+    if sum(window.values.values()) <= 0:
+        print("child: its own sampler took no sample", flush=True)
+        status = 1
+    os._exit(status)
+_, status = os.waitpid(pid, 0)
+# The parent samples on.
+blocks = [bytes(1000) for _ in range(1000)]
+assert sum(sampler.take_window().values.values()) > 0
+sampler.stop()
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_restart_after_stop() -> None:

@@ -23,6 +23,7 @@ import os
 import sysconfig
 import threading
 import time
+import weakref
 from types import CodeType
 from typing import Any
 
@@ -54,6 +55,33 @@ _Key = tuple[int, LabelSet]
 
 # The longest stretch a drain holds the GIL for before letting other threads run.
 _SLICE_NS = 500_000
+
+# The sampler whose hooks are installed in this process, for the fork handler; and whether
+# that handler is registered (once, by the first start()).
+_sampling: weakref.ref[MemorySampler] | None = None
+_fork_handler_registered = False
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits the hooks but not the drain thread: take the hooks out.
+
+    A child that never starts a sampler of its own (a multiprocessing worker, a helper
+    process) would otherwise pay for sampling and fill buffers nobody drains; one that does
+    starts afresh (``MemorySampler.start`` after a fork). Runs with the GIL, before any other
+    thread exists in the child.
+    """
+    global _sampling
+    sampler = _sampling() if _sampling is not None else None
+    _sampling = None
+    if sampler is None or _alloc is None:
+        return
+    try:
+        _alloc.stop()
+    except Exception:  # never fail the application's fork
+        log_once("memory-fork", "spanprof: the allocator hooks stayed on in a forked child")
+    # A drain may have held the lock in the parent's thread at the fork: that thread is gone.
+    sampler._lock = threading.Lock()
+    sampler._thread = None
 
 
 class MemorySamplerUnavailable(RuntimeError):
@@ -172,6 +200,7 @@ class MemorySampler:
                 raise MemorySamplerUnavailable(str(exc)) from exc
             self._pid = pid
             self._started_ns = time.time_ns()
+            _set_sampling(self)
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="spanprof-memory", daemon=True)
         self._thread.start()
@@ -191,6 +220,7 @@ class MemorySampler:
             finally:
                 _alloc.ignore_thread(ignoring)
             self._last_stats = self._stats_locked()
+            _set_sampling(None)
             if not _alloc.stop():
                 log_once(
                     "memory-hook-stuck",
@@ -389,6 +419,15 @@ def _intern(tables: StackTables, codes: tuple[CodeType, ...], lastis: tuple[int,
             fid = tables.raw_frame(code, lasti, line_of(code, lasti))
         ids.append(fid)
     return tables.stack_of(tuple(ids))
+
+
+def _set_sampling(sampler: MemorySampler | None) -> None:
+    """Make ``sampler`` (``None``: none) the one whose hooks a forked child takes out."""
+    global _sampling, _fork_handler_registered
+    _sampling = None if sampler is None else weakref.ref(sampler)
+    if sampler is not None and not _fork_handler_registered and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _fork_handler_registered = True
 
 
 def ignore_profiler_thread() -> None:
