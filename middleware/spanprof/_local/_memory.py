@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._profiling._encoders._memory import MEMORY_PERIOD_TYPE, MEMORY_SAMPLE_TYPES
 from .._profiling._encoders._pprof import ProfileBuilder
 from .._profiling._encoders._push import PushSeries
 from .._profiling._window import Frame
@@ -44,14 +45,8 @@ MEMORY_UNITS = {
     "inuse_objects": "count",
 }
 MEMORY_KINDS = tuple(MEMORY_UNITS)
-# A span's memory pprof: Go's heap profile types, in Go's order, and its period type.
-_PPROF_TYPES = (
-    ("alloc_objects", "count"),
-    ("alloc_space", "bytes"),
-    ("inuse_objects", "count"),
-    ("inuse_space", "bytes"),
-)
-_PERIOD_TYPE = ("space", "bytes")
+# A span's memory pprof has the pushed profiles' types (Go's heap profile's) and, until a
+# push says otherwise, the profiler's default period.
 _DEFAULT_PERIOD = 512 * 1024
 # Where each kind is in a kept row: [objects, bytes].
 _ROW = {"alloc_objects": 0, "alloc_space": 1, "inuse_objects": 0, "inuse_space": 1}
@@ -349,8 +344,8 @@ class MemoryStore:
         if not rows:
             return None
         builder = ProfileBuilder(
-            _PPROF_TYPES,
-            _PERIOD_TYPE,
+            MEMORY_SAMPLE_TYPES,
+            MEMORY_PERIOD_TYPE,
             period,
             comments=(f"spanprof local mode: memory of span {span_id}",),
             default_sample_type=kind,

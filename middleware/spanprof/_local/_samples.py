@@ -273,9 +273,9 @@ class SampleStore:
         memory profile with all four memory types, that one shown first (see
         ``MemoryStore.pprof``). ``None`` when no such sample of the span was received.
         """
-        if kind != "cpu":
-            return self.memory.pprof(span_id, kind, self._pprof_labels(span_id))
         profile = self.span(span_id)
+        if kind != "cpu":
+            return self.memory.pprof(span_id, kind, _pprof_labels(span_id, profile))
         if profile is None:
             return None
         with self._lock:
@@ -287,7 +287,7 @@ class SampleStore:
             comments=(f"spanprof local mode: samples of span {span_id}",),
             default_sample_type=_CPU_TYPE[0],
         )
-        labels = self._pprof_labels(span_id)
+        labels = _pprof_labels(span_id, profile)
         for stack, value in profile.stacks.items():
             builder.add(stack, value, labels)
         # The uploads arrive once a second; the span ran within the second before the first.
@@ -298,12 +298,12 @@ class SampleStore:
         )
         return gzip.compress(raw, mtime=0)
 
-    def _pprof_labels(self, span_id: str) -> list[tuple[str, str]]:
-        """``span_id``, and the trace id and span name its CPU samples carried, if any."""
-        labels = [("span_id", span_id)]
-        profile = self.span(span_id)
-        if profile is not None and profile.trace_id:
-            labels.append(("trace_id", profile.trace_id))
-        if profile is not None and profile.span_name:
-            labels.append(("span_name", profile.span_name))
-        return labels
+
+def _pprof_labels(span_id: str, profile: SpanProfile | None) -> list[tuple[str, str]]:
+    """``span_id``, and the trace id and span name its CPU samples (``profile``) carried."""
+    labels = [("span_id", span_id)]
+    if profile is not None and profile.trace_id:
+        labels.append(("trace_id", profile.trace_id))
+    if profile is not None and profile.span_name:
+        labels.append(("span_name", profile.span_name))
+    return labels
