@@ -38,6 +38,14 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#if defined(__linux__) && __SIZEOF_LONG__ == 8
+/* 64-bit Linux: the kernel's itimerspec is libc's, so timer_settime is one raw syscall (no
+ * librt to link on older glibc); timer ids made by timer_create(SIGEV_THREAD_ID) are the
+ * kernel's, in glibc and musl alike. */
+#  include <sys/syscall.h>
+#  include <unistd.h>
+#  define ALLOC_TIMER_ARM 1
+#endif
 
 #if PY_VERSION_HEX < 0x030A0000
 #error "spanprof._profiling._samplers._alloc needs CPython 3.10+"
@@ -56,6 +64,7 @@
 #  if PY_VERSION_HEX >= 0x030E0000
 /* 3.14 moved the frame struct and its helpers here; f_executable became a stack reference. */
 #    include <internal/pycore_interpframe.h>
+#    include <internal/pycore_frame.h>  /* struct _frame (stack_key reads f_frame) */
 #  else
 #    include <internal/pycore_frame.h>
 #  endif
@@ -516,6 +525,50 @@ in_main_interpreter(PyThreadState *tstate)
 #endif
 }
 
+#if PY_VERSION_HEX >= 0x030B0000 && ALLOC_FRAMES_KNOWN
+/* `frame` or the first frame after it that shows on Python's stack (frame.f_back skips the
+ * others), with its code in *code; NULL at the end of the stack. */
+static inline _PyInterpreterFrame *
+shown_frame(_PyInterpreterFrame *frame, PyCodeObject **code)
+{
+    for (; frame != NULL; frame = frame->previous) {
+#  if PY_VERSION_HEX >= 0x030C0000 && PY_VERSION_HEX < 0x030E0000
+        if (frame->owner == FRAME_OWNED_BY_CSTACK) {  /* the C stack's entry shim */
+            continue;
+        }
+#  endif
+#  if PY_VERSION_HEX >= 0x030E0000
+        {
+            /* A frame owned by the interpreter (its C-stack entry) has no code to show. */
+            PyObject *executable;
+            if (frame->owner >= FRAME_OWNED_BY_INTERPRETER ||
+                PyStackRef_IsNull(frame->f_executable)) {
+                continue;
+            }
+            executable = PyStackRef_AsPyObjectBorrow(frame->f_executable);
+            if (!PyCode_Check(executable)) {
+                continue;
+            }
+            *code = (PyCodeObject *)executable;
+        }
+#  elif PY_VERSION_HEX >= 0x030D0000
+        if (frame->f_executable == NULL || !PyCode_Check(frame->f_executable)) {
+            continue;
+        }
+        *code = (PyCodeObject *)frame->f_executable;
+#  else
+        *code = frame->f_code;
+#  endif
+        /* A frame still being set up (no instruction run yet) is not on Python's stack. */
+        if (_PyFrame_IsIncomplete(frame)) {
+            continue;
+        }
+        return frame;
+    }
+    return NULL;
+}
+#endif
+
 /* Copy up to max_frames frames of the thread's stack, leaf first, into `out`. Returns the count;
  * *truncated is set when frames were left out. No allocation, no Python call. */
 static uint16_t
@@ -537,50 +590,14 @@ capture_stack(PyThreadState *tstate, raw_frame_t *out, uint8_t *truncated)
         frame = frame->f_back;
     }
 #elif ALLOC_FRAMES_KNOWN
+    PyCodeObject *code;
 #  if PY_VERSION_HEX >= 0x030D0000
-    _PyInterpreterFrame *frame = tstate->current_frame;
+    _PyInterpreterFrame *frame = shown_frame(tstate->current_frame, &code);
 #  else
-    _PyInterpreterFrame *frame = tstate->cframe->current_frame;
+    _PyInterpreterFrame *frame = shown_frame(tstate->cframe->current_frame, &code);
 #  endif
-    while (frame != NULL) {
-        PyCodeObject *code;
+    for (; frame != NULL; frame = shown_frame(frame->previous, &code)) {
         int lasti;
-#  if PY_VERSION_HEX >= 0x030C0000 && PY_VERSION_HEX < 0x030E0000
-        if (frame->owner == FRAME_OWNED_BY_CSTACK) {  /* the C stack's entry shim */
-            frame = frame->previous;
-            continue;
-        }
-#  endif
-#  if PY_VERSION_HEX >= 0x030E0000
-        {
-            /* A frame owned by the interpreter (its C-stack entry) has no code to show. */
-            PyObject *executable;
-            if (frame->owner >= FRAME_OWNED_BY_INTERPRETER ||
-                PyStackRef_IsNull(frame->f_executable)) {
-                frame = frame->previous;
-                continue;
-            }
-            executable = PyStackRef_AsPyObjectBorrow(frame->f_executable);
-            if (!PyCode_Check(executable)) {
-                frame = frame->previous;
-                continue;
-            }
-            code = (PyCodeObject *)executable;
-        }
-#  elif PY_VERSION_HEX >= 0x030D0000
-        if (frame->f_executable == NULL || !PyCode_Check(frame->f_executable)) {
-            frame = frame->previous;
-            continue;
-        }
-        code = (PyCodeObject *)frame->f_executable;
-#  else
-        code = frame->f_code;
-#  endif
-        /* A frame still being set up (no instruction run yet) is not on Python's stack. */
-        if (_PyFrame_IsIncomplete(frame)) {
-            frame = frame->previous;
-            continue;
-        }
         if (n == max_frames) {
             *truncated = 1;
             break;
@@ -590,7 +607,6 @@ capture_stack(PyThreadState *tstate, raw_frame_t *out, uint8_t *truncated)
         Py_INCREF(out[n].code);
         out[n].lasti = lasti < 0 ? -1 : lasti * (int)sizeof(_Py_CODEUNIT);
         n++;
-        frame = frame->previous;
     }
 #else
     (void)tstate;
@@ -1443,7 +1459,123 @@ alloc_addr2line(PyObject *Py_UNUSED(module), PyObject *args)
     return PyLong_FromLong(line);
 }
 
+/* The most frames stack_key() reads (the CPU sampler's MAX_DEPTH). */
+#define STACK_KEY_MAX 256
+
+PyDoc_STRVAR(stack_key_doc,
+"stack_key(frame, max_frames, /) -> bytes | None\n"
+"--\n"
+"\n"
+"The stack from ``frame`` outwards (leaf first, at most ``max_frames`` frames, the ones\n"
+"``f_back`` walks) as bytes: each frame's code object address and last instruction offset.\n"
+"While those code objects live, equal keys are equal stacks. None for a frame that has\n"
+"returned (3.11+). The CPU sampler's signal handler looks its stack ids up by it instead of\n"
+"walking ``f_back`` in Python.");
+
+static PyObject *
+alloc_stack_key(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    /* Filled on the C stack: the handler calls this on every tick. */
+    int64_t key[2 * STACK_KEY_MAX];
+    Py_ssize_t n = 0, max;
+    if (nargs != 2 || !PyFrame_Check(args[0]) || !PyLong_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "stack_key(frame, max_frames): a frame and an int");
+        return NULL;
+    }
+    max = PyLong_AsSsize_t(args[1]);
+    if (max == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (max < 0 || max > STACK_KEY_MAX) {
+        PyErr_Format(PyExc_ValueError, "stack_key: max_frames must be 0 to %d", STACK_KEY_MAX);
+        return NULL;
+    }
+#if PY_VERSION_HEX < 0x030B0000
+    for (PyFrameObject *frame = (PyFrameObject *)args[0]; frame != NULL && n < max;
+         frame = frame->f_back) {
+        key[2 * n] = (int64_t)(uintptr_t)frame->f_code;
+        key[2 * n + 1] = frame->f_lasti < 0 ? -1 : frame->f_lasti * (int64_t)sizeof(_Py_CODEUNIT);
+        n++;
+    }
+#elif ALLOC_FRAMES_KNOWN
+    {
+        PyCodeObject *code;
+        _PyInterpreterFrame *frame = ((PyFrameObject *)args[0])->f_frame;
+        if (frame->owner == FRAME_OWNED_BY_FRAME_OBJECT) {
+            /* A frame that has returned: its frame object holds a copy whose link to the
+             * caller is gone (f_back still has it). The sampler only reads running frames. */
+            Py_RETURN_NONE;
+        }
+        frame = shown_frame(frame, &code);
+        for (; frame != NULL && n < max; frame = shown_frame(frame->previous, &code)) {
+            int lasti = _PyInterpreterFrame_LASTI(frame);
+            key[2 * n] = (int64_t)(uintptr_t)code;
+            key[2 * n + 1] = lasti < 0 ? -1 : lasti * (int64_t)sizeof(_Py_CODEUNIT);
+            n++;
+        }
+    }
+#else
+    PyErr_SetString(PyExc_RuntimeError, "stack_key: this CPython's frame layout is not known");
+    return NULL;
+#endif
+    return PyBytes_FromStringAndSize((const char *)key, n * 2 * (Py_ssize_t)sizeof(int64_t));
+}
+
+#ifdef ALLOC_TIMER_ARM
+PyDoc_STRVAR(timer_arm_doc,
+"timer_arm(timer_id, value_ns, interval_ns, /) -> bool\n"
+"--\n"
+"\n"
+"timer_settime(timer_id, 0, {value_ns, interval_ns}): fire after value_ns (at least 1 ns), then\n"
+"every interval_ns (0: once). False if the kernel refused; it never raises for that, since the\n"
+"CPU sampler's signal handler re-arms its timer with it on every tick (through ctypes that\n"
+"took several microseconds).");
+
+static PyObject *
+alloc_timer_arm(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    struct itimerspec spec;
+    long long timer_id, value, interval;
+    if (nargs != 3 || !PyLong_Check(args[0]) || !PyLong_Check(args[1]) ||
+        !PyLong_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "timer_arm(timer_id, value_ns, interval_ns): three ints");
+        return NULL;
+    }
+    timer_id = PyLong_AsLongLong(args[0]);
+    if (timer_id == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    value = PyLong_AsLongLong(args[1]);
+    if (value == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    interval = PyLong_AsLongLong(args[2]);
+    if (interval == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (timer_id < 0 || timer_id > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "timer_arm: not a timer id");
+        return NULL;
+    }
+    if (value < 1) {
+        value = 1;  /* zero would disarm it */
+    }
+    if (interval < 0) {
+        interval = 0;
+    }
+    spec.it_value.tv_sec = (time_t)(value / 1000000000LL);
+    spec.it_value.tv_nsec = (long)(value % 1000000000LL);
+    spec.it_interval.tv_sec = (time_t)(interval / 1000000000LL);
+    spec.it_interval.tv_nsec = (long)(interval % 1000000000LL);
+    return PyBool_FromLong(syscall(SYS_timer_settime, (int)timer_id, 0, &spec, NULL) == 0);
+}
+#endif
+
 static PyMethodDef alloc_methods[] = {
+    {"stack_key", (PyCFunction)(void (*)(void))alloc_stack_key, METH_FASTCALL, stack_key_doc},
+#ifdef ALLOC_TIMER_ARM
+    {"timer_arm", (PyCFunction)(void (*)(void))alloc_timer_arm, METH_FASTCALL, timer_arm_doc},
+#endif
     {"unsupported", alloc_unsupported, METH_NOARGS, unsupported_doc},
     {"start", alloc_start, METH_VARARGS, start_doc},
     {"stop", alloc_stop, METH_NOARGS, stop_doc},
@@ -1458,7 +1590,8 @@ static PyMethodDef alloc_methods[] = {
 
 PyDoc_STRVAR(module_doc,
 "Allocation sampling for spanprof's memory profiles: a hook on CPython's object allocator\n"
-"records the stack and the labels of about one block per ``mean_bytes`` allocated.");
+"records the stack and the labels of about one block per ``mean_bytes`` allocated. Also two\n"
+"steps of the CPU sampler's signal handler, in C for speed: stack_key and timer_arm.");
 
 static struct PyModuleDef alloc_module = {
     PyModuleDef_HEAD_INIT,

@@ -1,7 +1,7 @@
 """Type stub of the optional C extension ``spanprof._profiling._samplers._alloc`` (``_alloc.c``)."""
 
 from contextvars import ContextVar
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 #: One sample: (id, size, tracked, labels, codes, lastis, truncated, key); the stack is leaf
@@ -46,3 +46,10 @@ def allocator(domain: int, /) -> int:
 
 def addr2line(code: CodeType, lasti: int, /) -> int:
     """The source line of byte offset ``lasti`` in ``code``."""
+
+def stack_key(frame: FrameType, max_frames: int, /) -> bytes | None:
+    """The stack from ``frame`` out (at most ``max_frames``) as code addresses and offsets;
+    ``None`` for a frame that has returned."""
+
+def timer_arm(timer_id: int, value_ns: int, interval_ns: int, /) -> bool:
+    """``timer_settime`` on 64-bit Linux (absent elsewhere); False if the kernel refused."""
