@@ -1,0 +1,166 @@
+"""The CPU sampler's stack ids through ``_alloc.stack_key``: the same stacks as the Python walk.
+
+The signal handler looks a stack up by its C key (code addresses and instruction offsets read
+from the interpreter's frames) and walks ``f_back`` in Python only for a key it has not seen.
+That is right only if two stacks the walk tells apart never share a key: checked here on every
+CPython the matrix runs, whose frame layouts differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import sys
+import sysconfig
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import TypeVar
+
+import pytest
+
+from spanprof._profiling._samplers import _signal, _timer
+from spanprof._profiling._samplers._signal import MAX_DEPTH, Sampler
+from spanprof._profiling._window import Frame, StackTables
+
+from .conftest import MEMORY_VERSIONS
+
+pytestmark = [pytest.mark.engine, MEMORY_VERSIONS]
+
+_BUILT_FOR_THIS = not sysconfig.get_config_var("Py_GIL_DISABLED")
+_T = TypeVar("_T")
+_Stacks = tuple[tuple[Frame, ...], tuple[Frame, ...]]
+
+
+def _needs_key() -> Callable[[FrameType, int], bytes | None]:
+    key = _signal._c_stack_key
+    # Built by the editable install wherever the memory sampler runs: missing is a failure.
+    assert key is not None, "spanprof._profiling._samplers._alloc.stack_key is not available"
+    return key
+
+
+def _recurse(n: int, then: Callable[[FrameType], _T]) -> _T:
+    """``then(frame)`` called ``n`` frames deeper: the frames are running while it looks."""
+    if n:
+        return _recurse(n - 1, then)
+    return then(sys._getframe())
+
+
+def _walked_and_keyed(frame: FrameType) -> _Stacks:
+    """The stack the Python walk interns for ``frame``, and the one the keyed path hands back."""
+    sampler = Sampler(sample_rate=1)
+    tables = StackTables()
+    walked = tables.stacks[sampler._walk(tables, frame)]
+    keyed = tables.stacks[sampler._stack_id(tables, frame)]  # a miss: walks, then caches
+    again = tables.stacks[sampler._stack_id(tables, frame)]  # a hit
+    assert sampler._keyed, "the keyed path cached nothing"
+    assert keyed == again
+    return walked, keyed
+
+
+def _depth(frame: FrameType | None) -> int:
+    depth = 0
+    while frame is not None:
+        depth += 1
+        frame = frame.f_back
+    return depth
+
+
+def test_a_keyed_stack_is_the_walked_stack() -> None:
+    _needs_key()
+    walked, keyed = _recurse(10, _walked_and_keyed)
+    assert walked == keyed
+    assert [f.function for f in walked[:3]] == ["_recurse", "_recurse", "_recurse"]
+
+
+def test_keys_tell_apart_what_the_walk_tells_apart() -> None:
+    """Same code at another instruction, another depth: other keys; as long as the walk."""
+    key = _needs_key()
+    here = sys._getframe()
+    first = key(here, MAX_DEPTH)
+    second = key(here, MAX_DEPTH)  # the same frame, at a later instruction
+    assert first is not None
+    assert second is not None
+    assert first != second
+    assert first[16:] == second[16:]  # the callers have not moved
+    shallow = _recurse(1, lambda f: key(f, MAX_DEPTH))
+    deep = _recurse(2, lambda f: key(f, MAX_DEPTH))
+    assert shallow != deep
+    # One frame is 16 bytes; the key stops at max_frames like the walk, or at the stack's end.
+    assert _recurse(2, lambda f: len(key(f, 1) or b"")) == 16
+    assert _recurse(2, lambda f: key(f, 0)) == b""
+    lengths = _recurse(2, lambda f: (len(key(f, MAX_DEPTH) or b""), _depth(f)))
+    assert lengths[0] == 16 * lengths[1]
+
+
+def test_a_stack_deeper_than_the_limit_keys_and_walks_alike() -> None:
+    """Past MAX_DEPTH both stop: stacks that differ only beyond it are one stack to both."""
+    key = _needs_key()
+    walked, keyed = _recurse(MAX_DEPTH + 20, _walked_and_keyed)
+    assert walked == keyed
+    assert len(walked) == MAX_DEPTH
+    assert _recurse(MAX_DEPTH + 20, lambda f: len(key(f, MAX_DEPTH) or b"")) == 16 * MAX_DEPTH
+
+
+def _generator() -> Iterator[_Stacks]:
+    yield _walked_and_keyed(sys._getframe())
+
+
+async def _coroutine() -> _Stacks:
+    await asyncio.sleep(0)
+    return _walked_and_keyed(sys._getframe())
+
+
+def test_generator_and_coroutine_frames_key_like_they_walk() -> None:
+    _needs_key()
+    walked, keyed = next(_generator())
+    assert walked == keyed
+    assert walked[0].function == "_generator"
+    walked, keyed = asyncio.run(_coroutine())
+    assert walked == keyed
+    assert walked[0].function == "_coroutine"
+
+
+def test_a_frame_that_returned_is_walked_not_keyed() -> None:
+    """Its copy has no link to its caller any more (3.11+): the key would be short."""
+    key = _needs_key()
+    done = _recurse(1, lambda f: f)
+    assert isinstance(done, FrameType)
+    if sys.version_info >= (3, 11):
+        assert key(done, MAX_DEPTH) is None
+    sampler = Sampler(sample_rate=1)
+    tables = StackTables()
+    assert tables.stacks[sampler._stack_id(tables, done)][0].function == "_recurse"
+
+
+def test_the_cache_is_only_good_for_its_tables() -> None:
+    """A key names code addresses, which only the tables that interned them keep: new tables
+    start an empty cache."""
+    _needs_key()
+    sampler = Sampler(sample_rate=1)
+    old, new = StackTables(), StackTables()
+
+    def twice(frame: FrameType) -> tuple[int, int]:
+        return sampler._stack_id(old, frame), sampler._stack_id(new, frame)
+
+    _old_sid, new_sid = _recurse(3, twice)
+    assert sampler._keyed_tables is new
+    assert list(sampler._keyed.values()) == [new_sid]
+    assert new.stacks[new_sid] == old.stacks[0]
+
+
+def test_stack_key_refuses_what_is_not_a_frame() -> None:
+    key = _needs_key()
+    with pytest.raises(TypeError):
+        key("frame", 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_frames"):
+        key(sys._getframe(), MAX_DEPTH + 1)
+
+
+@pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and platform.architecture()[0] == "64bit"),
+    reason="timer_arm is built for 64-bit Linux only (ctypes elsewhere)",
+)
+def test_the_timer_is_re_armed_in_c_where_it_can_be() -> None:
+    """The handler re-arms on every tick: through ctypes that cost several microseconds."""
+    assert _BUILT_FOR_THIS
+    assert _timer._c_timer_arm is not None
