@@ -24,9 +24,13 @@ from spanprof._profiling._window import Frame, StackTables
 
 from .conftest import MEMORY_VERSIONS
 
-pytestmark = [pytest.mark.engine, MEMORY_VERSIONS]
-
 _BUILT_FOR_THIS = not sysconfig.get_config_var("Py_GIL_DISABLED")
+pytestmark = [
+    pytest.mark.engine,
+    MEMORY_VERSIONS,
+    # The exact sampler refuses free-threaded builds (tested elsewhere): nothing keys there.
+    pytest.mark.skipif(not _BUILT_FOR_THIS, reason="free-threaded build: no exact sampler"),
+]
 _T = TypeVar("_T")
 _Stacks = tuple[tuple[Frame, ...], tuple[Frame, ...]]
 
