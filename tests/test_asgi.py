@@ -455,6 +455,50 @@ def test_excluded_urls_are_neither_traced_nor_labelled(
     assert [s.name for s in _server_spans(span_exporter)] == ["GET /api/users/{user_id:int}"]
 
 
+@pytest.mark.parametrize("excluded", ["/items/.*,", "/items/.*, ", ",/items/.*,,", " , "])
+def test_a_blank_excluded_url_item_excludes_nothing(
+    recorder: RecorderBackend,
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    excluded: str,
+) -> None:
+    """A stray comma in excluded_urls is ignored; it used to exclude every request."""
+    calls: list[str] = []
+    app = _counted(build_app(recorder), calls, tracer_provider, excluded_urls=excluded)
+
+    async def main() -> dict[str, Any]:
+        async with _client(app) as client:
+            await client.get("/items/3")
+            return dict((await client.get("/api/users/1")).json())
+
+    body = asyncio.run(main())
+    assert body["labels"]["span_name"] == "GET /api/users/{user_id:int}"
+    names = [s.name for s in _server_spans(span_exporter)]
+    expected = ["GET /api/users/{user_id:int}"]
+    if excluded.strip(" ,") == "":
+        expected.insert(0, "GET /items/{item_id}")
+    assert names == expected
+
+
+@pytest.mark.parametrize(
+    ("excluded", "message"),
+    [
+        ("/health|", "matches every URL"),
+        (".*", "matches every URL"),
+        ("/ok,(", "not a valid regular expression"),
+        ("*", "not a valid regular expression"),
+    ],
+)
+def test_an_excluded_url_pattern_that_cannot_work_is_refused(excluded: str, message: str) -> None:
+    """A pattern matching every URL, or no regex at all, raises ValueError naming the option."""
+    with pytest.raises(ValueError, match=rf"excluded_urls: .*{message}"):
+        ProfilingMiddleware(_app_noop, profiler=None, excluded_urls=excluded, environ={})
+
+
+async def _app_noop(scope: Any, receive: Any, send: Any) -> None:
+    return None
+
+
 def test_a_failure_to_label_never_fails_the_request(
     recorder: RecorderBackend,
     tracer_provider: TracerProvider,

@@ -9,13 +9,14 @@ only its own ``route_resolver``), so the two constructors cannot drift apart, an
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypedDict
 
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
-from opentelemetry.util.http import ExcludeList, parse_excluded_urls
+from opentelemetry.util.http import ExcludeList
 
 from .._config import parse_bool
 from .._labels._backend import ProfilerBackend
@@ -45,7 +46,9 @@ class ProfilingOptions(TypedDict, total=False):
             ``SPANPROF_TRACE_ID_LABEL``); turn off for Pyroscope servers older than 2.0.3,
             where ``trace_id`` becomes a series label.
         excluded_urls: comma-separated URL patterns to leave untraced and unlabelled
-            (OpenTelemetry syntax); matching requests go straight to the app.
+            (OpenTelemetry syntax: regular expressions searched in the URL); matching requests
+            go straight to the app. Blank items are ignored; a pattern that is no regex, or
+            matches every URL, raises ``ValueError``.
         meter_provider: where the ``http.server.request.duration`` histogram is recorded
             (default: the global provider).
         slo: a ``SloPolicy`` (default and per-route latency SLOs); exclusive with
@@ -92,6 +95,38 @@ def _label_engine(env: Mapping[str, str]) -> Mechanism | None:
     raise ValueError(
         f"SPANPROF_LABEL_ENGINE={raw!r}: expected one of {', '.join(MECHANISMS)} (or unset)"
     )
+
+
+def _excluded(setting: str, value: object) -> ExcludeList | None:
+    """The ``ExcludeList`` of comma-separated patterns, or ``None`` when there are none.
+
+    OpenTelemetry's ``parse_excluded_urls`` keeps blank items: ``"/health,"`` becomes
+    ``/health|`` and that empty alternative matches every URL, so one stray comma would turn
+    tracing off for all requests without a word. Blank items are dropped here, and a pattern
+    that still matches every URL (or is no regex at all) is refused.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{setting}: expected a comma-separated string of URL patterns, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    patterns = [item.strip() for item in value.split(",") if item.strip()]
+    for pattern in patterns:
+        try:
+            compiled = re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(
+                f"{setting}: {pattern!r} is not a valid regular expression ({exc})"
+            ) from None
+        if compiled.search("") is not None:
+            raise ValueError(
+                f"{setting}: {pattern!r} matches every URL (an empty alternative, as in "
+                "'/health|'?), so no request would be traced; to trace nothing, leave the "
+                "middleware out"
+            )
+    return ExcludeList(patterns) if patterns else None
 
 
 @dataclass(frozen=True)
@@ -143,11 +178,11 @@ class MiddlewareSettings:
             slo=slo,
             extra_sinks=(prometheus.observe,) if prometheus is not None else (),
         )
-        excluded_urls = options.get("excluded_urls")
+        excluded = _excluded("excluded_urls", options.get("excluded_urls"))
         return cls(
             runtime=ProfilerRuntime(backend, mechanism=_label_engine(env)),
             with_trace_id=trace_id_label,
             durations=durations,
             tracer_provider=options.get("tracer_provider"),
-            excluded=parse_excluded_urls(excluded_urls) if excluded_urls else None,
+            excluded=excluded,
         )
