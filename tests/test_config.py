@@ -10,6 +10,7 @@ import pytest
 from spanprof import ExactBackend, ProfilingMiddleware, PyroscopeBackend
 from spanprof._profiling._settings import PyroscopeSettings
 from spanprof._types import Receive, Scope, Send
+from spanprof._web._options import MiddlewareSettings
 
 from .conftest import AGENT_ENV
 
@@ -233,3 +234,44 @@ def test_reprs_never_show_the_password(make: Callable[[], object]) -> None:
     assert "hunter" not in text, text
     assert "basic_auth_password='***'" in text, text
     assert "server_address='http://p:4040'" in text, text
+
+
+# --- a variable set but blank (compose's `VAR: ""`) is a variable left unset --------------------
+
+_BLANK_IS_UNSET = [
+    "PYROSCOPE_APPLICATION_NAME",
+    "OTEL_SERVICE_NAME",
+    "PYROSCOPE_UPLOAD_INTERVAL",
+    "PYROSCOPE_SAMPLE_RATE",
+    "PYROSCOPE_TENANT_ID",
+    "PYROSCOPE_BASIC_AUTH_USER",
+    "PYROSCOPE_BASIC_AUTH_PASSWORD",
+    "PYROSCOPE_LABELS",
+    "SPANPROF_PROFILER",
+    "SPANPROF_PROFILES_EXPORTER",
+    "SPANPROF_PROFILE_CLOCK",
+    "SPANPROF_MEMORY",
+    "SPANPROF_ALLOC_SAMPLE_BYTES",
+    "SPANPROF_TRACE_ID_LABEL",
+    "SPANPROF_SLO_SECONDS",
+    "SPANPROF_ROUTE_SLO",
+    "SPANPROF_LABEL_ENGINE",
+]
+
+
+def _resolved(environ: dict[str, str]) -> tuple[object, ...]:
+    settings = MiddlewareSettings.build(
+        "ProfilingMiddleware", {"environ": environ}, route_resolver=None, resolves="scope"
+    )
+    runtime = settings.runtime
+    return (runtime.backend, runtime.mechanism, settings.with_trace_id, settings.durations.slo)
+
+
+@pytest.mark.parametrize("value", ["", " ", "\t\n"])
+@pytest.mark.parametrize("variable", _BLANK_IS_UNSET)
+def test_a_blank_variable_means_its_default(variable: str, value: str) -> None:
+    """Empty or whitespace-only is the same as unset, for every variable spanprof reads."""
+    base = {"PYROSCOPE_SERVER_ADDRESS": "http://p:4040"}
+    default = _resolved(base)
+    assert _resolved({**base, variable: value}) == default
+    assert PyroscopeSettings.from_env({"PYROSCOPE_SERVER_ADDRESS": value}) is None

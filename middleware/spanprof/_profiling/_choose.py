@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Final, Literal
 
+from .._env import env_value
 from .._labels._backend import ProfilerBackend
 from ._exact import ExactBackend, parse_exporters
 from ._pyroscope import PyroscopeBackend
@@ -54,9 +55,9 @@ def profiler_from_env(environ: Mapping[str, str] | None = None) -> ProfilerBacke
     contradict ``SPANPROF_PROFILER=pyroscope``.
     """
     env = os.environ if environ is None else environ
-    choice = env.get("SPANPROF_PROFILER", "").strip().lower() or PROFILERS[0]
+    choice = env_value(env, "SPANPROF_PROFILER", PROFILERS[0]).strip().lower()
     exporters = parse_exporters(
-        "SPANPROF_PROFILES_EXPORTER", env.get("SPANPROF_PROFILES_EXPORTER", "") or "pyroscope"
+        "SPANPROF_PROFILES_EXPORTER", env_value(env, "SPANPROF_PROFILES_EXPORTER", "pyroscope")
     )
     if choice == "pyroscope" and "otlp" in exporters:
         raise ValueError(

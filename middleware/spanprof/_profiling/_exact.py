@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 
 from .._config import parse_bool, parse_int
+from .._env import env_value
 from .._labels._backend import SpanUsage
 from .._labels._labelset import LabelSet
 from .._logging import logger
@@ -233,24 +234,24 @@ class ExactBackend(WithPyroscopeSettings):
         """
         env = os.environ if environ is None else environ
         exporters = parse_exporters(
-            "SPANPROF_PROFILES_EXPORTER", env.get("SPANPROF_PROFILES_EXPORTER", "") or "pyroscope"
+            "SPANPROF_PROFILES_EXPORTER", env_value(env, "SPANPROF_PROFILES_EXPORTER", "pyroscope")
         )
         otlp = OtlpSettings.from_env(env) if "otlp" in exporters else None
-        if "pyroscope" not in exporters and not env.get("PYROSCOPE_SERVER_ADDRESS", "").strip():
+        if "pyroscope" not in exporters and not env_value(env, "PYROSCOPE_SERVER_ADDRESS"):
             env = {**env, "PYROSCOPE_SERVER_ADDRESS": _UNUSED_ADDRESS}
         # One parser for both backends: the variables mean exactly the same thing.
         settings = PyroscopeSettings.from_env(env)
         if settings is None:
             return None
-        clock = env.get("SPANPROF_PROFILE_CLOCK", "cpu").strip().lower() or "cpu"
+        clock = env_value(env, "SPANPROF_PROFILE_CLOCK", "cpu").strip().lower()
         if clock not in CLOCKS:
             raise ValueError(
                 f"SPANPROF_PROFILE_CLOCK={clock!r}: expected one of {', '.join(CLOCKS)}"
             )
-        memory = parse_bool("SPANPROF_MEMORY", env.get("SPANPROF_MEMORY", "true") or "true")
+        memory = parse_bool("SPANPROF_MEMORY", env_value(env, "SPANPROF_MEMORY", "true"))
         sample_bytes = parse_int(
             "SPANPROF_ALLOC_SAMPLE_BYTES",
-            env.get("SPANPROF_ALLOC_SAMPLE_BYTES", "") or str(DEFAULT_SAMPLE_BYTES),
+            env_value(env, "SPANPROF_ALLOC_SAMPLE_BYTES", str(DEFAULT_SAMPLE_BYTES)),
             minimum=1,
             maximum=1 << 40,
         )

@@ -20,6 +20,7 @@ from .._config import (
     redact_url,
     split_credentials,
 )
+from .._env import env_value
 from .._labels._labelset import parse_labels
 
 __all__ = ["PyroscopeSettings", "SettingsArguments", "WithPyroscopeSettings"]
@@ -103,37 +104,40 @@ class PyroscopeSettings:
         and ``PYROSCOPE_LABELS``. A bad value raises ``ValueError`` naming the variable.
         """
         env = os.environ if environ is None else environ
-        address = env.get("PYROSCOPE_SERVER_ADDRESS", "").strip()
+        address = env_value(env, "PYROSCOPE_SERVER_ADDRESS").strip()
         if not address:
             return None
         name = (
-            env.get("PYROSCOPE_APPLICATION_NAME", "").strip()
-            or env.get("OTEL_SERVICE_NAME", "").strip()
-            or "python-app"
+            env_value(env, "PYROSCOPE_APPLICATION_NAME").strip()
+            or env_value(env, "OTEL_SERVICE_NAME", "python-app").strip()
         )
         # Parsed here with the variables' names, so that __post_init__ cannot fail on them.
         return cls(
             server_address=parse_server_address("PYROSCOPE_SERVER_ADDRESS", address),
             application_name=name,
             upload_interval=parse_seconds(
-                "PYROSCOPE_UPLOAD_INTERVAL", env.get("PYROSCOPE_UPLOAD_INTERVAL", "10")
+                "PYROSCOPE_UPLOAD_INTERVAL", env_value(env, "PYROSCOPE_UPLOAD_INTERVAL", "10")
             ),
             sample_rate=parse_int(
                 "PYROSCOPE_SAMPLE_RATE",
-                env.get("PYROSCOPE_SAMPLE_RATE", "100"),
+                env_value(env, "PYROSCOPE_SAMPLE_RATE", "100"),
                 minimum=1,
                 maximum=1000,
             ),
-            tenant_id=parse_header_value("PYROSCOPE_TENANT_ID", env.get("PYROSCOPE_TENANT_ID", "")),
+            tenant_id=parse_header_value(
+                "PYROSCOPE_TENANT_ID", env_value(env, "PYROSCOPE_TENANT_ID")
+            ),
             basic_auth_username=_check_credential(
-                "PYROSCOPE_BASIC_AUTH_USER", env.get("PYROSCOPE_BASIC_AUTH_USER", ""), colon=False
+                "PYROSCOPE_BASIC_AUTH_USER",
+                env_value(env, "PYROSCOPE_BASIC_AUTH_USER"),
+                colon=False,
             ),
             basic_auth_password=_check_credential(
                 "PYROSCOPE_BASIC_AUTH_PASSWORD",
-                env.get("PYROSCOPE_BASIC_AUTH_PASSWORD", ""),
+                env_value(env, "PYROSCOPE_BASIC_AUTH_PASSWORD"),
                 colon=True,
             ),
-            tags=parse_labels("PYROSCOPE_LABELS", env.get("PYROSCOPE_LABELS", "")),
+            tags=parse_labels("PYROSCOPE_LABELS", env_value(env, "PYROSCOPE_LABELS")),
         )
 
     def arguments(self) -> SettingsArguments:

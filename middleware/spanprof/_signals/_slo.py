@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .._env import env_value
+
 __all__ = ["DEFAULT_SLO_SECONDS", "SloPolicy"]
 
 DEFAULT_SLO_SECONDS = 0.5
@@ -74,18 +76,17 @@ class SloPolicy:
         """Options first, then ``SPANPROF_SLO_SECONDS`` / ``SPANPROF_ROUTE_SLO``, then 0.5 s."""
         if slo_seconds is not None:
             default = _threshold("slo_seconds", slo_seconds)
-        elif "SPANPROF_SLO_SECONDS" in environ:
-            default = _threshold("SPANPROF_SLO_SECONDS", environ["SPANPROF_SLO_SECONDS"])
         else:
-            default = DEFAULT_SLO_SECONDS
+            raw = env_value(environ, "SPANPROF_SLO_SECONDS")
+            default = _threshold("SPANPROF_SLO_SECONDS", raw) if raw else DEFAULT_SLO_SECONDS
         routes: dict[str, float] = {}
         if route_slos is not None:
             for template, seconds in route_slos.items():
                 routes[_route("route_slos", template)] = _threshold(
                     f"route_slos[{template!r}]", seconds
                 )
-        elif environ.get("SPANPROF_ROUTE_SLO", "").strip():
-            routes = cls.parse_routes("SPANPROF_ROUTE_SLO", environ["SPANPROF_ROUTE_SLO"])
+        elif raw_routes := env_value(environ, "SPANPROF_ROUTE_SLO"):
+            routes = cls.parse_routes("SPANPROF_ROUTE_SLO", raw_routes)
         return cls(default=default, routes=routes)
 
     @staticmethod

@@ -19,6 +19,7 @@ from opentelemetry.trace import TracerProvider
 from opentelemetry.util.http import ExcludeList
 
 from .._config import parse_bool
+from .._env import env_value
 from .._labels._backend import ProfilerBackend
 from .._labels._engine import MECHANISMS, Mechanism, available_mechanisms
 from .._profiling._choose import FROM_ENV, FromEnv, choose_profiler
@@ -81,7 +82,7 @@ _OPTION_NAMES = frozenset(ProfilingOptions.__annotations__)
 
 def _label_engine(env: Mapping[str, str]) -> Mechanism | None:
     """``SPANPROF_LABEL_ENGINE``: the engine's mechanism, or ``None`` for its default."""
-    raw = env.get("SPANPROF_LABEL_ENGINE", "").strip().lower()
+    raw = env_value(env, "SPANPROF_LABEL_ENGINE").strip().lower()
     if not raw:
         return None
     for mechanism in MECHANISMS:
@@ -162,8 +163,8 @@ class MiddlewareSettings:
         backend = choose_profiler(options.get("profiler", FROM_ENV), env)
         trace_id_label = options.get("trace_id_label")
         if trace_id_label is None:
-            raw = env.get("SPANPROF_TRACE_ID_LABEL")
-            trace_id_label = True if raw is None else parse_bool("SPANPROF_TRACE_ID_LABEL", raw)
+            raw = env_value(env, "SPANPROF_TRACE_ID_LABEL", "true")
+            trace_id_label = parse_bool("SPANPROF_TRACE_ID_LABEL", raw)
         slo = options.get("slo")
         slo_seconds, route_slos = options.get("slo_seconds"), options.get("route_slos")
         if slo is None:
