@@ -275,3 +275,96 @@ def test_a_blank_variable_means_its_default(variable: str, value: str) -> None:
     default = _resolved(base)
     assert _resolved({**base, variable: value}) == default
     assert PyroscopeSettings.from_env({"PYROSCOPE_SERVER_ADDRESS": value}) is None
+
+
+# --- the server address: cut passwords, bracketed hosts, its credentials ------------------------
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "https://123456:glc_abc/def+ghi=@profiles-prod.grafana.net",
+        "https://user:Xq7#Wv9k@pyroscope.example.com",
+        "https://123456:8080/Zx9@pyroscope.example.com",
+        "https://user:Mn4?Lp2z@pyroscope.example.com:4040",
+    ],
+)
+def test_a_password_cut_by_an_unencoded_character_is_refused_without_showing_it(
+    address: str,
+) -> None:
+    """urlsplit ends the host part at the first '/', '?' or '#', so such a password would be
+    read as a host, a port or a path: the address is refused, the secret is not shown, and the
+    message says to percent-encode it."""
+    secret = address.partition("://")[2].rpartition("@")[0].partition(":")[2]
+    for make in (
+        lambda: PyroscopeSettings.from_env({"PYROSCOPE_SERVER_ADDRESS": address}),
+        lambda: PyroscopeSettings(server_address=address, application_name="a"),
+    ):
+        with pytest.raises(ValueError, match="percent-encode") as info:
+            make()
+        message = str(info.value)
+        assert "SERVER_ADDRESS" in message.upper(), message
+        assert secret not in message, message
+        for piece in secret.replace("#", "/").replace("?", "/").split("/"):
+            assert piece not in message, message
+        assert "pyroscope.example.com" in message or "grafana.net" in message, message
+
+
+def test_redact_url_hides_everything_before_the_last_at_sign() -> None:
+    """The user info as the address shows it, not as urlsplit cuts it; a lone user info (often a
+    token) is hidden whole."""
+    from spanprof._config import redact_url
+
+    assert redact_url("https://u:glc_a/b@h/x") == "https://u:***@h/x"
+    assert redact_url("https://u:p#q@h") == "https://u:***@h"
+    assert redact_url("https://u:p@q@h:1") == "https://u:***@h:1"
+    assert redact_url("https://tok/en@h") == "https://***@h"
+    assert redact_url("https://token@h") == "https://***@h"
+    assert redact_url("https://h:4040/p") == "https://h:4040/p"
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "http://[::1:4040",
+        "http://[pyroscope]:4040",
+        "http://[::1]]:80",
+        "http://p[::1]:80",
+        "http://u:hunter2@[::1:4040",
+    ],
+)
+def test_a_malformed_bracketed_host_is_refused_naming_the_setting(address: str) -> None:
+    """urlsplit's own errors ("Invalid IPv6 URL") name neither the variable nor the value."""
+    with pytest.raises(ValueError, match="PYROSCOPE_SERVER_ADDRESS") as info:
+        PyroscopeSettings.from_env({"PYROSCOPE_SERVER_ADDRESS": address})
+    assert "IPv6" in str(info.value)
+    assert "hunter2" not in str(info.value)
+    with pytest.raises(ValueError, match="server_address"):
+        ExactBackend(server_address=address, application_name="a")
+
+
+def test_bracketed_ipv6_hosts_are_accepted() -> None:
+    """An IPv6 literal, with or without a zone, is a host like any other."""
+    for address in ("http://[::1]:4040", "http://[fe80::1%25eth0]:4040", "https://u:p@[::1]"):
+        settings = PyroscopeSettings(server_address=address, application_name="a")
+        assert "[" in settings.server_address
+
+
+@pytest.mark.parametrize(
+    ("address", "what"),
+    [
+        ("http://us%3Aer:pw@p:4040", "user name"),
+        ("http://user:pw%0A@p:4040", "password"),
+        ("http://user%00:pw@p:4040", "user name"),
+    ],
+)
+def test_bad_credentials_in_the_address_name_the_address(address: str, what: str) -> None:
+    """Credentials taken from the address are reported as the address's, not as
+    basic_auth_username / basic_auth_password (which were never set)."""
+    with pytest.raises(ValueError, match="PYROSCOPE_SERVER_ADDRESS") as info:
+        PyroscopeSettings.from_env({"PYROSCOPE_SERVER_ADDRESS": address})
+    assert what in str(info.value)
+    assert "basic_auth" not in str(info.value)
+    assert "pw" not in str(info.value).replace("password", "")
+    with pytest.raises(ValueError, match="server_address"):
+        PyroscopeSettings(server_address=address, application_name="a")

@@ -6,10 +6,12 @@ The variables, their defaults and meanings are listed in one table in README.md
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 __all__ = [
+    "check_url",
     "parse_bool",
     "parse_header_value",
     "parse_int",
@@ -17,6 +19,7 @@ __all__ = [
     "parse_server_address",
     "redact_url",
     "split_credentials",
+    "url_problem",
 ]
 
 _SECONDS_RE = re.compile(r"\s*(\d+)\s*(s)?\s*\Z")
@@ -58,27 +61,73 @@ def parse_bool(name: str, value: str) -> bool:
     raise ValueError(f"{name}={value!r}: expected true or false")
 
 
-def redact_url(url: str) -> str:
-    """``url`` with the password of its user info (``user:pass@``) replaced by ``***``."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    user = userinfo.partition(":")[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{hostport}"))
+def _userinfo_span(url: str) -> tuple[int, int] | None:
+    """``(start, end)`` of what reads as user info: from after ``//`` to the last ``@``.
 
-
-def parse_server_address(name: str, value: str) -> str:
-    """An ``http://`` or ``https://`` URL with a host and a valid port, without a trailing slash.
-
-    Checked here, at configuration time, so that the uploader never fails on it later. Error
-    messages show the URL with its password (if any) redacted.
+    Not urlsplit's netloc, which ends at the first ``/``, ``?`` or ``#``: a password holding one
+    unencoded would otherwise be shown as the host, port or path it was cut into.
     """
-    text = value.strip()
-    parts = urlsplit(text)
-    shown = redact_url(text)
+    slashes = url.find("//")
+    start = 0 if slashes < 0 else slashes + 2
+    at = url.rfind("@", start)
+    return None if at < 0 else (start, at)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its user info (``user:pass@``) shown as ``user:***@``, or ``***@``.
+
+    Everything before the last ``@`` after ``//`` is taken as user info, however urlsplit would
+    cut it. The user name is kept only beside a password: alone, it is often a token.
+    """
+    span = _userinfo_span(url)
+    if span is None:
+        return url
+    start, at = span
+    user, colon, _ = url[start:at].partition(":")
+    shown = f"{user}:***" if colon and not any(c in user for c in "/?#") else "***"
+    return url[:start] + shown + url[at:]
+
+
+_BRACKETED_HOST = re.compile(r"\[([^\[\]]*)\](:[^\[\]]*)?\Z")
+
+
+def _bracket_problem(hostport: str) -> str | None:
+    # Python 3.10's urlsplit takes any "[...]" as a host, and every version takes "[::1]]".
+    if "[" not in hostport and "]" not in hostport:
+        return None
+    match = _BRACKETED_HOST.match(hostport)
+    if match is not None:
+        try:
+            ipaddress.IPv6Address(match.group(1).partition("%")[0])
+        except ValueError:
+            pass
+        else:
+            return None
+    return "a host in brackets must be an IPv6 address, like http://[::1]:4040"
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is not an ``http(s)://`` URL the uploaders can use, or ``None``.
+
+    The reason never quotes the URL: the caller shows it redacted, with the setting's name.
+    """
+    if any(ch.isspace() or not ch.isprintable() for ch in url):
+        return "the URL must not contain spaces or control characters"
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # an unclosed "[" (and, from 3.11, a bracketed non-IP host)
+        return "a host in brackets must be an IPv6 address, like http://[::1]:4040"
+    if "@" in parts.path or "@" in parts.query or "@" in parts.fragment:
+        return (
+            "an '@' after the host part: if it ends user:password, percent-encode the "
+            "password's '/', '?', '#' and '@' (as %2F, %3F, %23 and %40)"
+        )
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    bracket = _bracket_problem(hostport)
+    if bracket is not None:
+        return bracket
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{name}={shown!r}: expected an http:// or https:// URL with a host")
+        return "expected an http:// or https:// URL with a host"
     try:
         port = parts.port
     except ValueError:
@@ -87,10 +136,39 @@ def parse_server_address(name: str, value: str) -> str:
         if port is None:
             port = 443 if parts.scheme == "https" else 80
     if not 1 <= port <= 65535:
-        raise ValueError(f"{name}={shown!r}: the port must be a number between 1 and 65535")
-    if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in text):
-        raise ValueError(f"{name}={shown!r}: the URL must not contain spaces or control characters")
-    return text.rstrip("/")
+        return "the port must be a number between 1 and 65535"
+    user, _, password = (unquote(part) for part in userinfo.partition(":"))
+    if ":" in user:
+        return "the user name in the address contains ':' (%3A); basic auth cannot carry it"
+    for what, value in (("user name", user), ("password", password)):
+        if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
+            return (
+                f"the {what} in the address contains a control character (percent-encoded?); "
+                "basic auth would fail with it"
+            )
+    return None
+
+
+def check_url(name: str, value: str) -> str:
+    """``value`` stripped, if ``url_problem`` finds nothing; else ``ValueError`` naming ``name``.
+
+    The message shows the URL redacted (``redact_url``).
+    """
+    text = value.strip()
+    problem = url_problem(text)
+    if problem is not None:
+        raise ValueError(f"{name}={redact_url(text)!r}: {problem}")
+    return text
+
+
+def parse_server_address(name: str, value: str) -> str:
+    """An ``http://`` or ``https://`` URL with a host and a valid port, without a trailing slash.
+
+    Checked here (``check_url``), at configuration time, so that the uploader never fails on it
+    later; credentials in it are checked as basic auth would need them. Error messages show the
+    URL with its user info redacted.
+    """
+    return check_url(name, value).rstrip("/")
 
 
 def split_credentials(url: str) -> tuple[str, str, str]:
