@@ -368,3 +368,30 @@ def test_bad_credentials_in_the_address_name_the_address(address: str, what: str
     assert "pw" not in str(info.value).replace("password", "")
     with pytest.raises(ValueError, match="server_address"):
         PyroscopeSettings(server_address=address, application_name="a")
+
+
+# --- duplicate keys and the wrong separator, which used to be taken silently -------------------
+
+
+@pytest.mark.parametrize(
+    ("labels", "message"),
+    [
+        ("env=prod,env=dev", r"PYROSCOPE_LABELS=.*: the label 'env' is given twice"),
+        (" env = prod , region=eu,env=x", r"PYROSCOPE_LABELS=.*: the label 'env' is given twice"),
+        ("env=prod;region=eu", r"PYROSCOPE_LABELS: the value of 'env' contains '='.*','"),
+        ("env=a=b", r"PYROSCOPE_LABELS: the value of 'env' contains '='"),
+    ],
+)
+def test_a_duplicate_label_or_a_wrong_separator_is_refused(labels: str, message: str) -> None:
+    """PYROSCOPE_LABELS (and a string tags=) refuses what it used to merge or glue together."""
+    with pytest.raises(ValueError, match=message):
+        PyroscopeSettings.from_env(
+            {"PYROSCOPE_SERVER_ADDRESS": "http://p:4040", "PYROSCOPE_LABELS": labels}
+        )
+    with pytest.raises(ValueError, match=message.replace("PYROSCOPE_LABELS", "tags")):
+        PyroscopeSettings(server_address="http://p:4040", application_name="a", tags=labels)  # type: ignore[arg-type]
+    settings = PyroscopeSettings.from_env(
+        {"PYROSCOPE_SERVER_ADDRESS": "http://p:4040", "PYROSCOPE_LABELS": "env=prod;eu, region=eu"}
+    )
+    assert settings is not None
+    assert settings.tags == {"env": "prod;eu", "region": "eu"}

@@ -346,3 +346,20 @@ def test_prometheus_path_must_be_a_route() -> None:
     for bad in ("metrics", "/", ""):
         with pytest.raises(ValueError, match="path"):
             PrometheusMetrics(path=bad)
+
+
+@pytest.mark.parametrize(
+    ("routes", "message"),
+    [
+        ("/a=0.1,/a=5", r"SPANPROF_ROUTE_SLO=.*: the route '/a' is given twice"),
+        (
+            "/checkout=0.25;/search=1",
+            r"SPANPROF_ROUTE_SLO: route '/checkout=0.25;/search' contains.*','",
+        ),
+        ("/a;b=1", r"SPANPROF_ROUTE_SLO: route '/a;b' contains.*','"),
+    ],
+)
+def test_a_duplicate_route_or_a_wrong_separator_is_refused(routes: str, message: str) -> None:
+    """SPANPROF_ROUTE_SLO refuses a route twice, or pairs glued together by ';'."""
+    with pytest.raises(ValueError, match=message):
+        SloPolicy.build(slo_seconds=None, route_slos=None, environ={"SPANPROF_ROUTE_SLO": routes})

@@ -165,17 +165,31 @@ LABELS: ContextVar[LabelSet] = ContextVar("spanprof.labels", default=EMPTY)
 
 
 def parse_labels(name: str, value: str | Mapping[str, str]) -> dict[str, str]:
-    """Static labels from ``k=v,k2=v2`` (or a mapping), with keys validated."""
+    """Static labels from ``k=v,k2=v2`` (or a mapping), with keys validated.
+
+    A key given twice, or a value holding another ``=`` (pairs joined by ``;`` or a space), is
+    refused rather than merged or glued into one sanitized value.
+    """
     pairs: list[tuple[str, str]]
     if isinstance(value, str):
         pairs = []
+        seen: set[str] = set()
         for part in value.split(","):
             if not part.strip():
                 continue
             key, sep, val = part.partition("=")
             if not sep:
                 raise ValueError(f"{name}={value!r}: expected comma-separated key=value pairs")
-            pairs.append((key.strip(), val.strip()))
+            key, val = key.strip(), val.strip()
+            if "=" in val:
+                raise ValueError(
+                    f"{name}: the value of {key!r} contains '=' ({val!r}); separate key=value "
+                    "pairs with ',', like 'env=prod,region=eu'"
+                )
+            if key in seen:
+                raise ValueError(f"{name}={value!r}: the label {key!r} is given twice")
+            seen.add(key)
+            pairs.append((key, val))
     else:
         pairs = list(value.items())
     return {validate_key(k, setting=name): sanitize_value(v) for k, v in pairs}

@@ -91,7 +91,12 @@ class SloPolicy:
 
     @staticmethod
     def parse_routes(setting: str, text: str) -> dict[str, float]:
-        """``/checkout=0.25,/search=1`` to ``{"/checkout": 0.25, "/search": 1.0}``."""
+        """``/checkout=0.25,/search=1`` to ``{"/checkout": 0.25, "/search": 1.0}``.
+
+        A route given twice, or holding ``=`` or ``;`` (pairs joined by the wrong separator),
+        raises ``ValueError``: route templates (``/items/{item_id}``, ``/items/<int:id>``) do
+        not contain them in practice, and taking them would misread the text silently.
+        """
         routes: dict[str, float] = {}
         for part in text.split(","):
             if not part.strip():
@@ -102,8 +107,16 @@ class SloPolicy:
                     f"{setting}={text!r}: expected comma-separated route=seconds pairs, "
                     "like '/checkout=0.25,/search=1'"
                 )
-            routes[_route(setting, template.strip())] = _threshold(
-                f"{setting} ({template.strip()})", seconds.strip()
+            template = template.strip()
+            if "=" in template or ";" in template:
+                raise ValueError(
+                    f"{setting}: route {template!r} contains '=' or ';'; separate route=seconds "
+                    "pairs with ',', like '/checkout=0.25,/search=1'"
+                )
+            if template in routes:
+                raise ValueError(f"{setting}={text!r}: the route {template!r} is given twice")
+            routes[_route(setting, template)] = _threshold(
+                f"{setting} ({template})", seconds.strip()
             )
         return routes
 
