@@ -296,10 +296,11 @@ def test_a_password_cut_by_an_unencoded_character_is_refused_without_showing_it(
     read as a host, a port or a path: the address is refused, the secret is not shown, and the
     message says to percent-encode it."""
     secret = address.partition("://")[2].rpartition("@")[0].partition(":")[2]
-    for make in (
+    makes: list[Callable[[], object]] = [
         lambda: PyroscopeSettings.from_env({"PYROSCOPE_SERVER_ADDRESS": address}),
         lambda: PyroscopeSettings(server_address=address, application_name="a"),
-    ):
+    ]
+    for make in makes:
         with pytest.raises(ValueError, match="percent-encode") as info:
             make()
         message = str(info.value)
