@@ -285,6 +285,29 @@ def test_bad_settings_raise_naming_the_variable(variable: str, value: str) -> No
         OtlpSettings.from_env({variable: value})
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        "x-tenánt=a",
+        "x tenant=a",
+        "x(tenant)=a",
+        'x"t"=a',
+        "api-key=s3cr3t,x/tenant=a",
+        "authorization: Bearer s3cr3t=",
+    ],
+)
+def test_a_header_name_that_is_not_an_http_token_is_refused(value: str) -> None:
+    """http.client would refuse it in the export thread, dropping every window: here it is a
+    ValueError naming the variable, which shows no header value (they are often secrets)."""
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_HEADERS") as info:
+        OtlpSettings.from_env({"OTEL_EXPORTER_OTLP_HEADERS": value})
+    assert "s3cr3t" not in str(info.value)
+    assert "HTTP token" in str(info.value)
+    with pytest.raises(ValueError, match="headers"):
+        OtlpSettings(headers=(("x-tenánt", "a"),))
+    assert parse_headers("H", "A1!#$%&'*+-.^_`|~z=1") == (("A1!#$%&'*+-.^_`|~z", "1"),)
+
+
 def test_headers_and_retry_after_parse_like_the_specs() -> None:
     """Headers are URL-decoded key=value pairs; Retry-After is seconds or an HTTP date."""
     assert parse_headers("H", "a=1,,b=x%20y") == (("a", "1"), ("b", "x y"))
@@ -292,6 +315,34 @@ def test_headers_and_retry_after_parse_like_the_specs() -> None:
     assert retry_after(None) is None
     assert retry_after("soon") is None
     assert retry_after("Wed, 21 Oct 2015 07:28:30 GMT", now=1445412500.0) == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("http://collector\x01:4318", "control characters"),
+        ("http://collector:4318/otlp /v1", "spaces"),
+        ("http://collector:0", "port"),
+        ("http://collector:65536", "port"),
+        ("http://[::1:4318", "IPv6"),
+        ("http://[collector]:4318", "IPv6"),
+        ("http://u:s3k/r1t@collector:4318", "percent-encode"),
+    ],
+)
+@pytest.mark.parametrize(
+    "variable", ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT"]
+)
+def test_an_endpoint_is_checked_like_the_pyroscope_address(
+    variable: str, value: str, problem: str
+) -> None:
+    """What PYROSCOPE_SERVER_ADDRESS refuses, an OTLP endpoint the exporter could not post to
+    is refused too, at configuration time, naming the variable and hiding any password."""
+    with pytest.raises(ValueError, match=variable) as info:
+        OtlpSettings.from_env({variable: value})
+    assert problem in str(info.value)
+    assert "s3k" not in str(info.value) and "r1t" not in str(info.value)
+    with pytest.raises(ValueError, match="endpoint"):
+        OtlpSettings(endpoint=value)
 
 
 def test_exporters_option_and_variable() -> None:

@@ -23,13 +23,21 @@ import email.utils
 import gzip
 import os
 import ssl
+import string
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
-from ..._config import parse_bool, parse_header_value, parse_int
+from ..._config import (
+    check_url,
+    parse_bool,
+    parse_header_value,
+    parse_int,
+    redact_url,
+    url_problem,
+)
 from ..._logging import log_once
 from ..._version import __version__
 from .._encoders._otlp import (
@@ -74,27 +82,51 @@ def _variable(env: Mapping[str, str], suffix: str) -> tuple[str, str]:
     return f"OTEL_EXPORTER_OTLP_PROFILES_{suffix}", ""
 
 
-def _check_url(name: str, value: str) -> str:
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{name}={value!r}: expected an http:// or https:// URL with a host")
-    try:
-        parts.port  # noqa: B018 - raises on a bad port
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: invalid port") from None
+def _check_target(name: str, value: str) -> str:
+    """A gRPC ``host:port`` given without a scheme, checked as the same URL with one would be."""
+    if "@" in value:
+        raise ValueError(
+            f"{name}={redact_url(value)!r}: credentials need the URL form, "
+            "http(s)://user:password@host:port"
+        )
+    problem = url_problem(f"http://{value}")
+    if problem is not None:
+        raise ValueError(f"{name}={value!r}: expected host:port or a URL; {problem}")
     return value
 
 
+# RFC 9110's token: http.client refuses anything else in a header name, in the export thread.
+_TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~" + string.digits + string.ascii_letters)
+
+
+def _header_name_problem(key: str) -> str | None:
+    bad = next((ch for ch in key if ch not in _TOKEN_CHARS), None)
+    if not key or bad is not None:
+        found = f"contains {bad!r}" if bad is not None else "is empty"
+        return (
+            f"a header name {found}: it must be an HTTP token (letters, digits and !#$%&'*+-.^_`|~)"
+        )
+    return None
+
+
 def parse_headers(name: str, value: str) -> tuple[tuple[str, str], ...]:
-    """``key=value,key2=value2`` with URL-encoded values, as OTel's exporters read them."""
+    """``key=value,key2=value2`` with URL-encoded values, as OTel's exporters read them.
+
+    Errors say which item is wrong without quoting it: values are often secrets.
+    """
     headers: list[tuple[str, str]] = []
-    for item in value.split(","):
+    for index, item in enumerate(value.split(","), start=1):
         if not item.strip():
             continue
         key, sep, val = item.partition("=")
         key = unquote(key).strip()
-        if not sep or not key or any(c in key for c in " \t:\r\n"):
-            raise ValueError(f"{name}={value!r}: expected key=value pairs separated by commas")
+        if not sep:
+            raise ValueError(
+                f"{name}: item {index} has no '='; expected key=value pairs separated by commas"
+            )
+        problem = _header_name_problem(key)
+        if problem is not None:
+            raise ValueError(f"{name}: item {index}: {problem}")
         val = parse_header_value(f"{name}: header {key!r}", unquote(val).strip())
         headers.append((key, val))
     return tuple(headers)
@@ -137,10 +169,15 @@ class OtlpSettings:
             if not grpc_available():
                 raise ValueError("protocol: 'grpc' needs grpcio (pip install 'spanprof[grpc]')")
             if "://" in self.endpoint:
-                _check_url("endpoint", self.endpoint)
+                check_url("endpoint", self.endpoint)
+            else:
+                _check_target("endpoint", self.endpoint)
         else:
-            _check_url("endpoint", self.endpoint)
+            check_url("endpoint", self.endpoint)
         for key, value in self.headers:
+            problem = _header_name_problem(key)
+            if problem is not None:
+                raise ValueError(f"headers: {problem}")
             # What http.client refuses would fail every export, in the export thread.
             parse_header_value(f"headers: {key!r}", value)
         if self.compression not in COMPRESSIONS:
@@ -186,14 +223,14 @@ class OtlpSettings:
                 name = "OTEL_EXPORTER_OTLP_ENDPOINT"
             endpoint = endpoint or _DEFAULT_GRPC_ENDPOINT
             if "://" in endpoint:
-                _check_url(name, endpoint)
-            elif not urlsplit(f"//{endpoint}").hostname:
-                raise ValueError(f"{name}={endpoint!r}: expected host:port or a URL")
+                check_url(name, endpoint)
+            else:
+                _check_target(name, endpoint)
         elif specific:
-            endpoint = _check_url("OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT", specific)
+            endpoint = check_url("OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT", specific)
         else:
             base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or _DEFAULT_ENDPOINT
-            _check_url("OTEL_EXPORTER_OTLP_ENDPOINT", base)
+            check_url("OTEL_EXPORTER_OTLP_ENDPOINT", base)
             endpoint = base.rstrip("/") + OTLP_PROFILES_PATH
         name, raw_headers = _variable(env, "HEADERS")
         headers = parse_headers(name, raw_headers)
