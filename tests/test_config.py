@@ -396,3 +396,39 @@ def test_a_duplicate_label_or_a_wrong_separator_is_refused(labels: str, message:
     )
     assert settings is not None
     assert settings.tags == {"env": "prod;eu", "region": "eu"}
+
+
+# --- extra_options: what pyroscope.configure would refuse at start, refused at construction -----
+
+
+@pytest.mark.needs_agent
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"uploadinterval": 5}, r"extra_options: 'uploadinterval' is not an option of pyroscope"),
+        ({"tags": {"env": "prod"}}, r"extra_options: 'tags' is set by spanprof.*tags="),
+        ({"app_name": "x"}, r"extra_options: 'app_name' is set by spanprof.*application_name="),
+        ({"server_address": "http://q"}, r"extra_options: 'server_address' is set by spanprof"),
+        ({"http_headers": {"X Bad\u00e9": "v"}}, r"extra_options\['http_headers'\]: 'X Bad"),
+        ({"http_headers": {"X-Token:": "v"}}, r"extra_options\['http_headers'\]: 'X-Token:'"),
+        ({"http_headers": {"": "v"}}, r"extra_options\['http_headers'\]: ''"),
+        ({"http_headers": ["X-Token"]}, r"extra_options\['http_headers'\]: expected a mapping"),
+        ({5: True}, r"extra_options: expected option names as strings"),
+    ],
+)
+def test_extra_options_the_agent_would_refuse_fail_at_construction(
+    extra: dict[Any, Any], message: str
+) -> None:
+    """A typo, a key spanprof sets itself, or a bad header name is refused before start()."""
+    with pytest.raises((TypeError, ValueError), match=message):
+        PyroscopeBackend(server_address="http://p:4040", application_name="a", extra_options=extra)
+
+
+@pytest.mark.needs_agent
+def test_extra_options_the_agent_takes_are_kept() -> None:
+    """Real pyroscope.configure options and good header names pass through unchanged."""
+    extra = {"report_pid": True, "http_headers": {"X-Scope-OrgID": "t", "x_token!": "v"}}
+    backend = PyroscopeBackend(
+        server_address="http://p:4040", application_name="a", extra_options=extra
+    )
+    assert backend.extra_options == extra

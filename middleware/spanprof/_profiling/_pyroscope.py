@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import re
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -10,7 +12,7 @@ from .._config import parse_header_value
 from .._labels._labelset import LabelSet
 from .._logging import log_once, logger
 from ._exporters._reachability import ReachabilityWatch
-from ._settings import PyroscopeSettings, WithPyroscopeSettings
+from ._settings import PyroscopeSettings, SettingsArguments, WithPyroscopeSettings
 
 __all__ = ["PyroscopeBackend"]
 
@@ -27,6 +29,72 @@ def _import_agent() -> Any:
             "exact sampler)"
         ) from exc
     return pyroscope
+
+
+# pyroscope.configure's own names for what spanprof passes from its settings; app_name is the
+# agent's older spelling of application_name. Given again in extra_options, configure raises
+# "multiple values" at start, after the process has been serving without profiles.
+_SET_BY_SPANPROF: dict[str, str] = {
+    **{name: name for name in SettingsArguments.__annotations__},
+    "app_name": "application_name",
+}
+
+# An HTTP header name is an RFC 9110 token; the agent sends anything else as it is, and the
+# server refuses every upload, in a thread that logs nothing.
+_HEADER_NAME_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+
+
+def _check_extra_options(options: Mapping[str, Any], agent: Any | None) -> None:
+    """Refuse, now, the extra options ``pyroscope.configure`` would refuse at start.
+
+    ``agent`` is the imported module: its ``configure``'s parameters are the known names (none
+    are checked when it takes ``**kwargs``, or with no agent to ask).
+    """
+    for key in options:
+        if not isinstance(key, str):
+            raise TypeError(f"extra_options: expected option names as strings, got {key!r}")
+        if key in _SET_BY_SPANPROF:
+            raise ValueError(
+                f"extra_options: {key!r} is set by spanprof; pass it as "
+                f"PyroscopeBackend({_SET_BY_SPANPROF[key]}=...) instead"
+            )
+    headers = options.get("http_headers")
+    if headers is not None:
+        if not isinstance(headers, Mapping):
+            raise TypeError(
+                "extra_options['http_headers']: expected a mapping of header names to values, "
+                f"got {type(headers).__name__}"
+            )
+        for name, value in headers.items():
+            # The value is never shown: headers often carry tokens.
+            if not isinstance(name, str) or not _HEADER_NAME_RE.match(name):
+                raise ValueError(
+                    f"extra_options['http_headers']: {name!r} is not an HTTP header name "
+                    "(letters, digits and !#$%&'*+-.^_`|~ only)"
+                )
+            if not isinstance(value, str):
+                raise TypeError(
+                    f"extra_options['http_headers'][{name!r}]: expected a string value, "
+                    f"got {type(value).__name__}"
+                )
+            # The agent would fail on these later, in its own thread, saying nothing.
+            parse_header_value(f"extra_options['http_headers'][{name!r}]", value)
+    configure = getattr(agent, "configure", None)
+    if configure is None:
+        return
+    try:
+        parameters = inspect.signature(configure).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    for key in options:
+        if key not in parameters:
+            known = ", ".join(sorted(set(parameters) - set(_SET_BY_SPANPROF)))
+            raise ValueError(
+                f"extra_options: {key!r} is not an option of pyroscope.configure (the "
+                f"installed pyroscope-io takes {known})"
+            )
 
 
 class PyroscopeBackend(WithPyroscopeSettings):
@@ -50,7 +118,9 @@ class PyroscopeBackend(WithPyroscopeSettings):
         tenant_id: tenant for multi-tenant servers.
         basic_auth_username, basic_auth_password: basic auth for the server.
         tags: static labels on every sample of this process.
-        extra_options: further keyword arguments for ``pyroscope.configure``.
+        extra_options: further keyword arguments for ``pyroscope.configure`` (``report_pid``,
+            ``http_headers``...). A name ``configure`` does not take, or one of the settings
+            above, raises ``ValueError`` here rather than at start.
 
     Raises ``RuntimeError`` when ``pyroscope-io`` is not installed.
     """
@@ -78,12 +148,16 @@ class PyroscopeBackend(WithPyroscopeSettings):
             basic_auth_password=basic_auth_password,
             tags=tags or {},
         )
+        if extra_options is not None and not isinstance(extra_options, Mapping):
+            raise TypeError(
+                "extra_options: expected a mapping of pyroscope.configure arguments, "
+                f"got {type(extra_options).__name__}"
+            )
         self.extra_options = dict(extra_options or {})
-        headers = self.extra_options.get("http_headers") or {}
-        for name, value in dict(headers).items():
-            # The agent would fail on these later, in its own thread, saying nothing.
-            parse_header_value(f"extra_options['http_headers'][{name!r}]", str(value))
+        # What needs no agent first: these errors are the same where it is not installed.
+        _check_extra_options(self.extra_options, None)
         self._agent = _import_agent()
+        _check_extra_options(self.extra_options, self._agent)
         # Bound once: these run between task steps.
         self._add_tag: Callable[[str, str], object] = self._agent.add_thread_tag
         self._remove_tag: Callable[[str, str], object] = self._agent.remove_thread_tag
