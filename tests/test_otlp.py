@@ -340,7 +340,8 @@ def test_an_endpoint_is_checked_like_the_pyroscope_address(
     with pytest.raises(ValueError, match=variable) as info:
         OtlpSettings.from_env({variable: value})
     assert problem in str(info.value)
-    assert "s3k" not in str(info.value) and "r1t" not in str(info.value)
+    assert "s3k" not in str(info.value)
+    assert "r1t" not in str(info.value)
     with pytest.raises(ValueError, match="endpoint"):
         OtlpSettings(endpoint=value)
 
@@ -407,6 +408,56 @@ def test_backend_constructed_directly_reads_the_otel_variables(
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TIMEOUT")
     with pytest.raises(ValueError, match="server_address"):
         ExactBackend(exporters="pyroscope,otlp")
+
+
+def _basic(user: str, password: str) -> str:
+    import base64
+
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+
+
+def test_endpoint_credentials_are_sent_as_basic_auth_and_never_shown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """user:password@ in the endpoint becomes an Authorization header (percent-decoded), as the
+    Pyroscope address's does; the URL requests go to, repr() and the logs keep no trace of it."""
+    with OtlpProfilesReceiver() as receiver:
+        base = receiver.base_url.replace("://", "://al%40ice:s3cr%2Ft@")
+        settings = OtlpSettings.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": base})
+        assert settings.endpoint == receiver.url
+        exporter = OtlpExporter(
+            settings, upload_interval=60.0, resource_attributes=lambda: RESOURCE
+        )
+        exporter.start(_windows(lambda n: _window((_labels(n), 5))))
+        exporter.stop()
+        (one,) = receiver.received
+    assert one.headers["authorization"] == _basic("al@ice", "s3cr/t")
+    assert "s3cr" not in repr(settings)
+    assert _basic("al@ice", "s3cr/t") not in repr(settings)
+    assert "s3cr" not in exporter.url
+    down = OtlpSettings(endpoint=f"http://bob:hunter2@127.0.0.1:{free_port()}/v1", timeout=1.0)
+    exporter = OtlpExporter(down, upload_interval=60.0, flush_timeout=1.0, backoff_initial=0.05)
+    with caplog.at_level("DEBUG", logger="spanprof"):
+        exporter.start(_windows(lambda n: _window((_labels(n), 5))))
+        exporter.stop()
+    assert any("127.0.0.1" in record.getMessage() for record in caplog.records)
+    assert not any("hunter2" in record.getMessage() for record in caplog.records)
+
+
+def test_an_explicit_authorization_header_wins_over_endpoint_credentials() -> None:
+    """OTEL_EXPORTER_OTLP_HEADERS=authorization=... is what the collector gets; the endpoint's
+    user info is still stripped from the URL."""
+    settings = OtlpSettings.from_env(
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "https://alice:s3cret@collector:4318",
+            "OTEL_EXPORTER_OTLP_HEADERS": "Authorization=Bearer%20t",
+        }
+    )
+    assert settings.endpoint == "https://collector:4318/v1development/profiles"
+    assert settings.headers == (("Authorization", "Bearer t"),)
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_ENDPOINT") as info:
+        OtlpSettings.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://alice:s3cret%0A@c:4318"})
+    assert "s3cret" not in str(info.value)
 
 
 # --- the exporter --------------------------------------------------------------------------------
@@ -894,6 +945,31 @@ def test_grpc_settings_from_the_environment() -> None:
         OtlpSettings.from_env(
             {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_INSECURE": "maybe"}
         )
+
+
+def test_grpc_endpoint_credentials_go_as_authorization_metadata() -> None:
+    """Over gRPC the endpoint's user:password@ is the same Basic authorization, as metadata,
+    and the channel's target is the bare host:port."""
+    _require_grpc()
+    with GrpcProfilesReceiver() as receiver:
+        settings = OtlpSettings.from_env(
+            {
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://alice:s3cret@127.0.0.1:{receiver.port}",
+            }
+        )
+        assert settings.endpoint == f"http://127.0.0.1:{receiver.port}"
+        exporter = OtlpExporter(
+            settings, upload_interval=60.0, resource_attributes=lambda: RESOURCE
+        )
+        exporter.start(_windows(lambda n: _window((_labels(n), 5))))
+        exporter.stop()
+    assert receiver.metadata[0]["authorization"] == _basic("alice", "s3cret")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_ENDPOINT") as info:
+        OtlpSettings.from_env(
+            {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_ENDPOINT": "a:s3cret@c:1"}
+        )
+    assert "s3cret" not in str(info.value)
 
 
 def test_grpc_stop_cuts_an_export_in_flight_to_the_flush_budget() -> None:

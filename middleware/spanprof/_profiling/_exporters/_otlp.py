@@ -19,6 +19,7 @@ is logged once and counted (``stats()['otlp_errors']``).
 
 from __future__ import annotations
 
+import base64
 import email.utils
 import gzip
 import os
@@ -26,7 +27,7 @@ import ssl
 import string
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
@@ -36,6 +37,7 @@ from ..._config import (
     parse_header_value,
     parse_int,
     redact_url,
+    split_credentials,
     url_problem,
 )
 from ..._logging import log_once
@@ -138,9 +140,14 @@ def _check_file(name: str, value: str) -> str:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class OtlpSettings:
     """Where and how OTLP profiles go; ``from_env`` reads the OTel exporter variables.
+
+    User info in the endpoint (``http://user:pass@host``, percent-encoded) becomes a Basic
+    ``Authorization`` header, as the Pyroscope address's does, unless ``headers`` has one (an
+    explicit header wins); either way ``endpoint`` keeps no credentials, so it can be logged.
+    ``repr`` shows no header values.
 
     Arguments:
         endpoint: the full URL the requests are posted to.
@@ -190,6 +197,23 @@ class OtlpSettings:
             raise ValueError(
                 f"protocol: expected one of {', '.join(PROTOCOLS)}, got {self.protocol!r}"
             )
+        endpoint, user, password = self.endpoint, "", ""
+        if "://" in endpoint:
+            endpoint, user, password = split_credentials(endpoint)
+        headers = tuple(self.headers)
+        if (user or password) and not any(k.lower() == "authorization" for k, _ in headers):
+            token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+            headers += (("Authorization", f"Basic {token}"),)
+        # Frozen, so the endpoint without its user info goes in this way.
+        object.__setattr__(self, "endpoint", endpoint)
+        object.__setattr__(self, "headers", headers)
+
+    def __repr__(self) -> str:
+        # Header values are often secrets: API keys, or the Basic token of the endpoint's user.
+        shown: dict[str, object] = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["endpoint"] = redact_url(self.endpoint)
+        shown["headers"] = tuple((key, "***") for key, _ in self.headers)
+        return f"OtlpSettings({', '.join(f'{name}={value!r}' for name, value in shown.items())})"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OtlpSettings:
@@ -351,7 +375,7 @@ class OtlpExporter(IntervalExporter):
         self._encoder = encoder
         self._grpc = GrpcTransport(settings) if settings.protocol == "grpc" else None
         parts = urlsplit(settings.endpoint if self._grpc is None else "http://grpc")
-        self.url = settings.endpoint
+        self.url = redact_url(settings.endpoint)
         self.attributes = list(attributes)
         self._resource_attributes = resource_attributes
         self._resource: tuple[dict[str, object], bytes] | None = None
