@@ -327,6 +327,7 @@ def test_headers_and_retry_after_parse_like_the_specs() -> None:
         ("http://[::1:4318", "IPv6"),
         ("http://[collector]:4318", "IPv6"),
         ("http://u:s3k/r1t@collector:4318", "percent-encode"),
+        ("http://collector:4318/v1/pr\u00f6files", "non-ASCII"),
     ],
 )
 @pytest.mark.parametrize(

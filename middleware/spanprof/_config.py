@@ -103,7 +103,7 @@ def _bracket_problem(hostport: str) -> str | None:
             pass
         else:
             return None
-    return "a host in brackets must be an IPv6 address, like http://[::1]:4040"
+    return "a host in brackets must be an IPv6 address, like [::1]"
 
 
 def url_problem(url: str) -> str | None:
@@ -116,7 +116,7 @@ def url_problem(url: str) -> str | None:
     try:
         parts = urlsplit(url)
     except ValueError:  # an unclosed "[" (and, from 3.11, a bracketed non-IP host)
-        return "a host in brackets must be an IPv6 address, like http://[::1]:4040"
+        return "a host in brackets must be an IPv6 address, like [::1]"
     if "@" in parts.path or "@" in parts.query or "@" in parts.fragment:
         return (
             "an '@' after the host part: if it ends user:password, percent-encode the "
@@ -126,6 +126,9 @@ def url_problem(url: str) -> str | None:
     bracket = _bracket_problem(hostport)
     if bracket is not None:
         return bracket
+    if not (parts.path + parts.query + parts.fragment).isascii():
+        # http.client sends the request line as ASCII: it would fail every upload.
+        return "non-ASCII characters after the host must be percent-encoded"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return "expected an http:// or https:// URL with a host"
     try:
