@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from spanprof import ExactBackend, ProfilingMiddleware, PyroscopeBackend
+from spanprof import ExactBackend, ProfilingMiddleware, PyroscopeBackend, SloPolicy
 from spanprof._profiling._settings import PyroscopeSettings
 from spanprof._types import Receive, Scope, Send
 from spanprof._web._options import MiddlewareSettings
@@ -432,3 +432,90 @@ def test_extra_options_the_agent_takes_are_kept() -> None:
         server_address="http://p:4040", application_name="a", extra_options=extra
     )
     assert backend.extra_options == extra
+
+
+# --- arguments of the wrong type: an error naming the argument, at construction ---------------
+
+_ADDRESS = "http://p:4040"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "name"),
+    [
+        ({"server_address": None}, "server_address"),
+        ({"application_name": 123}, "application_name"),
+        ({"application_name": None}, "application_name"),
+        ({"application_name": "  "}, "application_name"),
+        ({"application_name": "sh\nop"}, "application_name"),
+        ({"upload_interval": "10s"}, "upload_interval"),
+        ({"upload_interval": True}, "upload_interval"),
+        ({"sample_rate": 99.5}, "sample_rate"),
+        ({"tenant_id": None}, "tenant_id"),
+        ({"tenant_id": 5}, "tenant_id"),
+        ({"basic_auth_username": None}, "basic_auth_username"),
+        ({"basic_auth_password": None}, "basic_auth_password"),
+        ({"tags": [("a", "b")]}, "tags"),
+        ({"memory": "false"}, "memory"),
+        ({"auto": 1}, "auto"),
+        ({"alloc_sample_bytes": "1024"}, "alloc_sample_bytes"),
+        ({"alloc_sample_bytes": 1.5}, "alloc_sample_bytes"),
+        ({"alloc_sample_bytes": True}, "alloc_sample_bytes"),
+        ({"clock": None}, "clock"),
+        ({"exporters": None}, "exporters"),
+        ({"exporters": [1]}, "exporters"),
+    ],
+)
+def test_a_backend_argument_of_the_wrong_type_is_named(
+    arguments: dict[str, Any], name: str
+) -> None:
+    """ExactBackend (and the settings PyroscopeBackend shares) refuse wrong types by name."""
+    with pytest.raises((TypeError, ValueError), match=rf"^{name}\b"):
+        ExactBackend(**{"server_address": _ADDRESS, **arguments})
+
+
+def test_the_application_name_is_trimmed_and_sanitized_like_a_label_value() -> None:
+    """service_name is a label: surrounding spaces go, what Pyroscope cannot carry becomes _."""
+    backend = ExactBackend(server_address=_ADDRESS, application_name=" shop{env=prod},b ")
+    assert backend.application_name == "shop_env_prod__b"
+    assert ExactBackend(server_address=_ADDRESS, application_name="shop\n").application_name == (
+        "shop"
+    )
+    assert ExactBackend(
+        server_address=_ADDRESS, application_name="shop.api-v2"
+    ).application_name == ("shop.api-v2")
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        ({"trace_id_label": "false"}, "trace_id_label"),
+        ({"trace_id_label": 0}, "trace_id_label"),
+        ({"slo_seconds": "0.3"}, "slo_seconds"),
+        ({"slo_seconds": True}, "slo_seconds"),
+        ({"route_slos": [("/a", 1)]}, "route_slos"),
+        ({"route_slos": {"/a": True}}, "route_slos"),
+        ({"excluded_urls": ["/health"]}, "excluded_urls"),
+        ({"environ": "x"}, "environ"),
+        ({"prometheus": object()}, "prometheus"),
+        ({"meter_provider": "x"}, "meter_provider"),
+        ({"tracer_provider": "x"}, "tracer_provider"),
+    ],
+)
+def test_a_middleware_option_of_the_wrong_type_is_named(options: dict[str, Any], name: str) -> None:
+    """Both middlewares refuse wrong types by the option's name, before the first request."""
+    from spanprof import WSGIProfilingMiddleware
+
+    arguments = {"profiler": None, "environ": {}, **options}
+    with pytest.raises((TypeError, ValueError), match=rf"^{name}\b"):
+        ProfilingMiddleware(_app, **arguments)
+    with pytest.raises((TypeError, ValueError), match=rf"^{name}\b"):
+        WSGIProfilingMiddleware(lambda environ, start_response: [], **arguments)
+
+
+def test_slo_policy_takes_numbers_not_booleans_or_strings() -> None:
+    """SloPolicy(default=True) was a 1-second SLO; a string threshold was parsed."""
+    with pytest.raises(ValueError, match=r"SloPolicy\.default"):
+        SloPolicy(default=True)
+    with pytest.raises(ValueError, match=r"SloPolicy\.routes"):
+        SloPolicy(routes={"/a": "0.2"})  # type: ignore[dict-item]
+    assert SloPolicy(default=1, routes={"/a": 0.2}).threshold("/a") == 0.2

@@ -77,6 +77,13 @@ _UNUSED_ADDRESS = "http://localhost:4040"
 
 def parse_exporters(name: str, value: str | Sequence[str]) -> tuple[str, ...]:
     """``pyroscope``, ``otlp`` or both (``pyroscope,otlp``), in that order, without repeats."""
+    if not isinstance(value, str) and not (
+        isinstance(value, Sequence) and all(isinstance(item, str) for item in value)
+    ):
+        raise TypeError(
+            f"{name}: expected a comma-separated str or a sequence of str, "
+            f"got {type(value).__name__} {value!r}"
+        )
     items = value.split(",") if isinstance(value, str) else list(value)
     chosen = {item.strip().lower() for item in items if item.strip()}
     if not chosen or not chosen <= set(EXPORTERS):
@@ -184,7 +191,18 @@ class ExactBackend(WithPyroscopeSettings):
         if clock not in CLOCKS:
             raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {clock!r}")
         self.clock = clock
+        for name, flag in (("auto", auto), ("memory", memory)):
+            # "false" is a true value: only a real bool says what was meant.
+            if not isinstance(flag, bool):
+                raise TypeError(
+                    f"{name}: expected True or False, got {type(flag).__name__} {flag!r}"
+                )
         self.auto = auto
+        if not isinstance(alloc_sample_bytes, int) or isinstance(alloc_sample_bytes, bool):
+            raise TypeError(
+                f"alloc_sample_bytes: expected int, got {type(alloc_sample_bytes).__name__} "
+                f"{alloc_sample_bytes!r}"
+            )
         if not 1 <= alloc_sample_bytes <= 1 << 40:
             raise ValueError(
                 f"alloc_sample_bytes: expected 1 to 2**40 bytes, got {alloc_sample_bytes!r}"

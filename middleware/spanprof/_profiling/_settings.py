@@ -21,7 +21,7 @@ from .._config import (
     split_credentials,
 )
 from .._env import env_value
-from .._labels._labelset import parse_labels
+from .._labels._labelset import parse_labels, sanitize_value
 
 __all__ = ["PyroscopeSettings", "SettingsArguments", "WithPyroscopeSettings"]
 
@@ -59,6 +59,15 @@ class PyroscopeSettings:
     tags: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("server_address", "tenant_id", "basic_auth_username", "basic_auth_password"):
+            _check_type(name, getattr(self, name), str)
+        for name in ("upload_interval", "sample_rate"):
+            _check_type(name, getattr(self, name), int)
+        if not isinstance(self.tags, (Mapping, str)):
+            raise TypeError(
+                f"tags: expected a mapping of label names to values, got "
+                f"{type(self.tags).__name__} {self.tags!r}"
+            )
         address = parse_server_address("server_address", self.server_address)
         address, url_user, url_password = split_credentials(address)
         user, password = self.basic_auth_username, self.basic_auth_password
@@ -66,14 +75,14 @@ class PyroscopeSettings:
             user, password = url_user, url_password
         _check_credential("basic_auth_username", user, colon=False)
         _check_credential("basic_auth_password", password, colon=True)
-        if not self.application_name:
-            raise ValueError("application_name: must not be empty")
+        name = _application_name("application_name", self.application_name)
         interval = parse_seconds("upload_interval", str(self.upload_interval))
         rate = parse_int("sample_rate", str(self.sample_rate), minimum=1, maximum=1000)
         parse_header_value("tenant_id", self.tenant_id)
         tags = parse_labels("tags", self.tags)
         # Frozen, so the normalized values (no trailing slash, sanitized tags) go in this way.
         object.__setattr__(self, "server_address", address)
+        object.__setattr__(self, "application_name", name)
         object.__setattr__(self, "basic_auth_username", user)
         object.__setattr__(self, "basic_auth_password", password)
         object.__setattr__(self, "upload_interval", interval)
@@ -107,10 +116,11 @@ class PyroscopeSettings:
         address = env_value(env, "PYROSCOPE_SERVER_ADDRESS").strip()
         if not address:
             return None
-        name = (
-            env_value(env, "PYROSCOPE_APPLICATION_NAME").strip()
-            or env_value(env, "OTEL_SERVICE_NAME", "python-app").strip()
+        source = next(
+            (v for v in ("PYROSCOPE_APPLICATION_NAME", "OTEL_SERVICE_NAME") if env_value(env, v)),
+            None,
         )
+        name = "python-app" if source is None else _application_name(source, env[source])
         # Parsed here with the variables' names, so that __post_init__ cannot fail on them.
         return cls(
             server_address=parse_server_address("PYROSCOPE_SERVER_ADDRESS", address),
@@ -143,6 +153,38 @@ class PyroscopeSettings:
     def arguments(self) -> SettingsArguments:
         """The settings as keyword arguments for ``PyroscopeBackend`` or ``ExactBackend``."""
         return cast(SettingsArguments, asdict(self))
+
+
+def _check_type(name: str, value: object, expected: type) -> None:
+    # bool is an int to Python, never a count of seconds or samples to a user.
+    if not isinstance(value, expected) or isinstance(value, bool):
+        raise TypeError(
+            f"{name}: expected {expected.__name__}, got {type(value).__name__} {value!r}"
+        )
+
+
+# Where pyroscope-io sends the name, in its ingest URL's `name=app.cpu{tags}`, braces would
+# start the tags; every other unsafe character is what a label value cannot carry either.
+_NAME_BRACES = str.maketrans("{}", "__")
+
+
+def _application_name(setting: str, value: object) -> str:
+    """The ``service_name`` label: a non-blank str, trimmed, sanitized like a label value.
+
+    Surrounding whitespace (a file's trailing newline) is dropped, as from the environment; a
+    control character inside is refused rather than replaced, since ``sh_op`` would be a
+    service nobody looks for.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{setting}: expected str, got {type(value).__name__} {value!r}")
+    text = value.strip()
+    if not text:
+        raise ValueError(f"{setting}: must not be empty or blank")
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in text):
+        raise ValueError(
+            f"{setting}={value!r}: contains a control character; a service name cannot carry it"
+        )
+    return sanitize_value(text).translate(_NAME_BRACES)
 
 
 def _check_credential(name: str, value: str, *, colon: bool) -> str:

@@ -13,9 +13,18 @@ __all__ = ["DEFAULT_SLO_SECONDS", "SloPolicy"]
 DEFAULT_SLO_SECONDS = 0.5
 
 
-def _threshold(setting: str, value: object) -> float:
+def _threshold(setting: str, value: object, *, text: bool = False) -> float:
+    # Only an environment variable's text is parsed: in code, "0.3" is a mistake somewhere,
+    # and True would be a 1-second SLO.
+    if isinstance(value, bool) or not isinstance(
+        value, (int, float, str) if text else (int, float)
+    ):
+        raise ValueError(
+            f"{setting}={value!r}: expected a positive number of seconds (int or float), "
+            f"got {type(value).__name__}"
+        )
     try:
-        number = float(value)  # type: ignore[arg-type]
+        number = float(value)
     except (TypeError, ValueError):
         number = math.nan
     if not math.isfinite(number) or number <= 0:
@@ -78,9 +87,16 @@ class SloPolicy:
             default = _threshold("slo_seconds", slo_seconds)
         else:
             raw = env_value(environ, "SPANPROF_SLO_SECONDS")
-            default = _threshold("SPANPROF_SLO_SECONDS", raw) if raw else DEFAULT_SLO_SECONDS
+            default = (
+                _threshold("SPANPROF_SLO_SECONDS", raw, text=True) if raw else DEFAULT_SLO_SECONDS
+            )
         routes: dict[str, float] = {}
         if route_slos is not None:
+            if not isinstance(route_slos, Mapping):
+                raise ValueError(
+                    "route_slos: expected a mapping of route templates to seconds, got "
+                    f"{type(route_slos).__name__} {route_slos!r}"
+                )
             for template, seconds in route_slos.items():
                 routes[_route("route_slos", template)] = _threshold(
                     f"route_slos[{template!r}]", seconds
@@ -116,7 +132,7 @@ class SloPolicy:
             if template in routes:
                 raise ValueError(f"{setting}={text!r}: the route {template!r} is given twice")
             routes[_route(setting, template)] = _threshold(
-                f"{setting} ({template})", seconds.strip()
+                f"{setting} ({template})", seconds.strip(), text=True
             )
         return routes
 

@@ -98,6 +98,33 @@ def _label_engine(env: Mapping[str, str]) -> Mechanism | None:
     )
 
 
+def _check_types(options: ProfilingOptions) -> None:
+    """Refuse an option of the wrong type by name, instead of an AttributeError mid-request."""
+    environ = options.get("environ")
+    if environ is not None and not isinstance(environ, Mapping):
+        raise TypeError(
+            f"environ: expected a mapping of variable names to values, got "
+            f"{type(environ).__name__} {environ!r}"
+        )
+    trace_id_label = options.get("trace_id_label")
+    # "false" would be a true value: only a real bool (or None, for the variable) says it.
+    if trace_id_label is not None and not isinstance(trace_id_label, bool):
+        raise TypeError(
+            f"trace_id_label: expected True, False or None, got "
+            f"{type(trace_id_label).__name__} {trace_id_label!r}"
+        )
+    prometheus = options.get("prometheus")
+    if prometheus is not None and not isinstance(prometheus, PrometheusMetrics):
+        raise TypeError(f"prometheus: expected a spanprof.PrometheusMetrics, got {prometheus!r}")
+    # Duck-typed, as OpenTelemetry itself treats providers: only the one method used is needed.
+    for name, method in (("meter_provider", "get_meter"), ("tracer_provider", "get_tracer")):
+        provider = options.get(name)
+        if provider is not None and not callable(getattr(provider, method, None)):
+            raise TypeError(
+                f"{name}: expected an OpenTelemetry provider (with {method}), got {provider!r}"
+            )
+
+
 def _excluded(setting: str, value: object) -> ExcludeList | None:
     """The ``ExcludeList`` of comma-separated patterns, or ``None`` when there are none.
 
@@ -158,6 +185,7 @@ class MiddlewareSettings:
                 f"route_resolver: expected a callable {resolves} -> str | None, "
                 f"got {route_resolver!r}"
             )
+        _check_types(options)
         environ = options.get("environ")
         env = os.environ if environ is None else environ
         backend = choose_profiler(options.get("profiler", FROM_ENV), env)
