@@ -185,9 +185,13 @@ def test_short_pool_jobs_are_booked_to_their_labels_and_function(sampler: Sample
     try:
         sampler.start()
 
+        pool_cpu: list[float] = []
+
         def pool() -> None:
+            started = time.thread_time()
             for n in range(400):
                 run_labelled(_labels(n % 4), MARKERS[n % 4], 0.0007)
+            pool_cpu.append(time.thread_time() - started)
 
         thread = threading.Thread(target=pool)
         thread.start()
@@ -199,8 +203,14 @@ def test_short_pool_jobs_are_booked_to_their_labels_and_function(sampler: Sample
     by_marker = _by_marker(window)
     for index in range(4):
         assert list(by_marker[index]) == [_labels(index)]
-        # 100 jobs of 0.7 ms each.
-        assert sum(by_marker[index].values()) / 1e9 == pytest.approx(0.07, rel=0.1)
+        # 100 jobs of 0.7 ms each, and their labelling around them.
+        assert sum(by_marker[index].values()) / 1e9 >= 0.07 * 0.9
+    # Nothing is counted twice: the jobs hold no more than the thread used. (Not 0.07 each
+    # from above: on a loaded VM the thread clock runs on while the host steals the vCPU, and
+    # what a steal adds to a job's few microseconds of labelling is not burnt off like a
+    # marker's is, so a job books up to 12% more than 0.7 ms there.)
+    booked = sum(sum(by_marker[index].values()) for index in range(4)) / 1e9
+    assert booked <= pool_cpu[0] * 1.01
     leaves = {window.stack(sid)[0].function for (sid, _labels_), _v in window.values.items()}
     assert {f"burn_request_0{i}" for i in range(4)} <= leaves
 
