@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "middleware" / "spanprof"
 FLOORS: dict[str, int] = {
     "_types": 0,
     "_config": 0,
+    "_env": 0,
     "_logging": 0,
     "_version": 0,
     "_labels": 1,
