@@ -18,6 +18,7 @@ import sys
 import time
 import tracemalloc
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -128,7 +129,11 @@ def make_wsgi_app() -> Any:
             start_response("200 OK", [("Content-Type", "text/plain")])
             return [b"ok"]
         index = int(path.rpartition("/")[2])
-        MARKERS[index](float(environ.get("QUERY_STRING", "").partition("=")[2] or "0.02"))
+        query = urllib.parse.parse_qs(str(environ.get("QUERY_STRING", "")))
+        MARKERS[index](float(query.get("seconds", ["0.02"])[0]))
+        megabytes = int(query.get("alloc_mb", ["0"])[0])
+        if megabytes:
+            hoard_request_memory(megabytes)
         start_response("200 OK", [("Content-Type", "application/json")])
         return [json.dumps(dict(current_labels())).encode()]
 
@@ -531,21 +536,35 @@ def test_apis_reject_bad_ids_and_foreign_hosts(run: LocalRun) -> None:
 
 
 @pytest.mark.e2e
-# Served by threads: the exact sampler cannot run there yet, so this relies on its
-# pyroscope-io fallback.
 def test_wsgi_apps_run_in_local_mode_too(tmp_path: Path) -> None:
-    """A WSGIProfilingMiddleware app: served by threads, its slow request's flame graph works."""
+    """A WSGIProfilingMiddleware app: served by threads, profiled by the exact sampler (which
+    `auto` would not pick for a threaded server), so its slow request's CPU and memory flame
+    graphs and its route's breach comparison all work."""
+    from spanprof._profiling._samplers._memory import memory_unavailable_reason
+
     require(
         _importable("spanprof._web._wsgi"),
         "spanprof._web._wsgi (WSGIProfilingMiddleware) is missing",
     )
+    reason = memory_unavailable_reason()
+    require(reason is None, reason or "")
     with running_local_mode(tmp_path, "tests.test_local_mode:make_wsgi_app") as (app, ui):
-        slow = httpx.get(f"{app}/work/9", params={"seconds": 0.5}, timeout=30).json()
+        slow = httpx.get(
+            f"{app}/work/9", params={"seconds": 0.5, "alloc_mb": 16}, timeout=30
+        ).json()
         fast = httpx.get(f"{app}/work/3", params={"seconds": 0.02}, timeout=30).json()
         settle(ui)
         status = get_json(f"{ui}/api/status")
         breaches = get_json(f"{ui}/api/breaches")["breaches"]
         tree = get_json(f"{ui}/api/flamegraph?span_id={slow['span_id']}")
+        alloc = memory_flamegraph(ui, slow["span_id"], "alloc_space")
+        compared = get_json(f"{ui}/api/compare?route={alloc['span']['name']}")
+    # Labelled memory samples come only from the exact profiler (pyroscope-io's carry none).
+    truth = 16 * 1_000_000 // HOARD_BLOCK * sys.getsizeof(bytes(HOARD_BLOCK))
+    assert 0.4 * truth <= function_value(alloc["root"], HOARD) <= 1.6 * truth, alloc["total"]
+    # And so do the `slo` labels the comparison splits on (a 404 without them).
+    assert compared["requests"]["breached"] == 1, compared
+    assert compared["sampled"]["breached"] >= 0.25e9, compared
     assert status["interface"] == "wsgi"
     assert status["receiver_errors"] == []
     assert [b["span_id"] for b in breaches] == [slow["span_id"]]
@@ -1057,3 +1076,16 @@ def test_local_mode_sets_and_restores_the_environment() -> None:
     assert env == {"PYROSCOPE_UPLOAD_INTERVAL": "10", "UNRELATED": "1"}
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"{page}api/status", timeout=1)
+
+
+def test_the_page_names_profiles_after_otel_service_name_before_the_module() -> None:
+    """Spans carry OTEL_SERVICE_NAME; the profiles the page gets must carry the same name (the
+    span-to-profile link matches on it), so the module name is only the last resort."""
+    from spanprof._local._cli import _parser, service_name
+
+    args = _parser().parse_args(["dev", "shop.main:app"])
+    assert service_name(args, {"OTEL_SERVICE_NAME": "shop"}) == "shop"
+    assert service_name(args, {"OTEL_SERVICE_NAME": "  "}) == "shop.main"
+    assert service_name(args, {}) == "shop.main"
+    named = _parser().parse_args(["dev", "shop.main:app", "--service-name", "cart"])
+    assert service_name(named, {"OTEL_SERVICE_NAME": "shop"}) == "cart"

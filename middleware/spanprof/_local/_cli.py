@@ -6,8 +6,9 @@ import argparse
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from .._env import env_value
 from ._mode import LocalMode, import_app
 from ._slo import SloPolicy, policy_from
 
@@ -57,7 +58,13 @@ def _parser() -> argparse.ArgumentParser:
         help="how to serve the app (default: detect)",
     )
     dev.add_argument("--app-dir", default=".", help="directory to import the app from")
-    dev.add_argument("--service-name", help="service name when the app sets none")
+    dev.add_argument(
+        "--service-name",
+        help=(
+            "service name for profiles and spans (default: OTEL_SERVICE_NAME, else the app's "
+            "module; PYROSCOPE_APPLICATION_NAME still wins for profiles)"
+        ),
+    )
     dev.add_argument(
         "--duration", type=float, metavar="SECONDS", help="stop by itself after SECONDS"
     )
@@ -82,6 +89,16 @@ def _exposure_warning(local: LocalMode) -> str | None:
     )
 
 
+def service_name(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """The service the page's profiles and spans are named after when the app names none.
+
+    ``OTEL_SERVICE_NAME`` before the module name: the app's spans already carry it, and the
+    profiles must carry the same name for the span-to-profile link to find them.
+    """
+    chosen: str = args.service_name or env_value(environ, "OTEL_SERVICE_NAME").strip()
+    return chosen or str(args.app).partition(":")[0]
+
+
 def dev(args: argparse.Namespace) -> int:
     """``spanprof dev``: serve the app in local mode until Ctrl-C (or ``--duration``)."""
     try:
@@ -95,7 +112,7 @@ def dev(args: argparse.Namespace) -> int:
         ui_host=args.ui_host,
         ui_port=args.ui_port,
         policy=policy,
-        service_name=args.service_name or args.app.partition(":")[0],
+        service_name=service_name(args, os.environ),
     )
     configured = os.environ.get("PYROSCOPE_SERVER_ADDRESS", "").strip()
     if configured:

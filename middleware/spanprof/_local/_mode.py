@@ -27,6 +27,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
+from .._env import env_value
 from .._profiling._runtime import stop_started
 from ._compare import SloComparison
 from ._memory import MemoryStore
@@ -188,8 +189,14 @@ class LocalMode:
             "PYROSCOPE_UPLOAD_INTERVAL": str(UPLOAD_INTERVAL_SECONDS),
             **policy_env(self.policy),
         }
-        if not self.environ.get("PYROSCOPE_APPLICATION_NAME", "").strip():
+        if not env_value(self.environ, "PYROSCOPE_APPLICATION_NAME"):
             env["PYROSCOPE_APPLICATION_NAME"] = self.service_name
+        if not env_value(self.environ, "SPANPROF_PROFILER"):
+            # `auto` keeps pyroscope-io for threaded servers, and the page's WSGI server is one:
+            # there the breach comparison would have no `slo` labels and memory no span labels.
+            # The exact sampler attributes pool threads exactly too (docs/benchmarks.md,
+            # gthread), and the app's middleware prepares it in the main thread at import.
+            env["SPANPROF_PROFILER"] = "exact"
         for key, value in env.items():
             self._saved_env.setdefault(key, self.environ.get(key))
             self.environ[key] = value
