@@ -30,7 +30,13 @@ COMPOSE = REPO / "docker-compose.yml"
 DEPLOY = REPO / "deploy"
 
 CPU_PROFILE = "process_cpu:cpu:nanoseconds:cpu:nanoseconds"
-MEMORY_PROFILE = "memory:alloc_space:bytes:space:bytes"
+# Where a service's span-labelled allocations land in Pyroscope, by the exporter that sends
+# them: the push as Pyroscope's `memory` type; OTLP under `process_cpu`, the name Pyroscope's
+# OTLP ingest gives every profile that is not off-CPU.
+MEMORY_PROFILES = {
+    "pyroscope": "memory:alloc_space:bytes:space:bytes",
+    "otlp": "process_cpu:alloc_space:bytes:space:bytes",
+}
 # The first Pyroscope server that keeps trace_id out of series labels (grafana/pyroscope#5220).
 PYROSCOPE_MIN = (2, 0, 3)
 # Long-running services whose images have nothing inside to run a probe with.
@@ -186,6 +192,22 @@ def url_host_port(url: str) -> tuple[str, int]:
 def component_type(component_id: str) -> str:
     """``otlp_http/tempo`` to ``otlp_http``: a collector component id's type."""
     return component_id.split("/", 1)[0]
+
+
+def memory_profile_types(compose: Any) -> set[str]:
+    """The profile types the sample services' span-labelled allocations arrive as.
+
+    Only the exact sampler labels memory by span; it runs where the event loop runs in the main
+    thread (the uvicorn service). The gunicorn gthread service runs pyroscope-io, whose memory
+    samples carry no span.
+    """
+    types = set()
+    for svc in sample_services(compose).values():
+        if command(svc)[:1] != ["uvicorn"]:
+            continue
+        chosen = environment(svc).get("SPANPROF_PROFILES_EXPORTER", "pyroscope").split(",")
+        types |= {MEMORY_PROFILES[e.strip()] for e in chosen if e.strip() in MEMORY_PROFILES}
+    return types
 
 
 def sample_services(compose: Any) -> dict[str, Any]:
@@ -456,18 +478,25 @@ def datasource_problems(stack: Stack) -> list[str]:
     metrics = tempo.get("jsonData", {}).get("tracesToMetrics")
     if metrics is not None and metrics.get("datasourceUid") != prometheus["uid"]:
         problems.append("tracesToMetrics.datasourceUid is not the Prometheus datasource uid")
+    arriving = memory_profile_types(stack.compose)
     memory = [
         ds["jsonData"]["tracesToProfiles"]
         for ds in stack.datasources["datasources"]
         if ds["type"] == "tempo"
-        and (ds.get("jsonData", {}).get("tracesToProfiles") or {}).get("profileTypeId")
-        == MEMORY_PROFILE
+        and str((ds.get("jsonData", {}).get("tracesToProfiles") or {}).get("profileTypeId"))
+        .partition(":")[2]
+        .startswith("alloc_space:")
     ]
     if not memory:
-        problems.append(f"no Tempo datasource links spans to {MEMORY_PROFILE}")
+        problems.append(f"no Tempo datasource links spans to their memory ({sorted(arriving)})")
     for link in memory:
         if link.get("datasourceUid") != pyroscope["uid"] or link.get("customQuery") is not False:
             problems.append("the memory tracesToProfiles must select Pyroscope by span id")
+        if link.get("profileTypeId") not in arriving:
+            problems.append(
+                f"the memory link queries {link.get('profileTypeId')}, but the services' "
+                f"span-labelled memory arrives as {sorted(arriving)}"
+            )
     destinations = prometheus.get("jsonData", {}).get("exemplarTraceIdDestinations") or []
     if not destinations:
         problems.append("Prometheus has no exemplarTraceIdDestinations")
@@ -545,6 +574,20 @@ def dashboard_problems(stack: Stack) -> list[str]:
     for side in ("breached", "ok"):
         if f'slo="{side}"' not in selectors:
             problems.append(f"no span_name flame graph of the slo={side} requests to compare")
+    arriving = memory_profile_types(stack.compose)
+    allocated = [
+        p
+        for p in panels
+        if p["type"] == "timeseries"
+        and any(
+            t.get("queryType") == "metrics"
+            and t.get("profileTypeId") in arriving
+            and "span_name" in (t.get("groupBy") or [])
+            for t in _targets(p)
+        )
+    ]
+    if not allocated:
+        problems.append(f"no time series of allocated bytes by span_name ({sorted(arriving)})")
     return problems
 
 
@@ -855,7 +898,7 @@ def _run_as_root(stack: Stack) -> None:
             id="dashboard-unknown-uid",
         ),
         pytest.param(
-            _set("dashboard.panels.9.targets.0.labelSelector", '{span_name="$span_name"}'),
+            _set("dashboard.panels.10.targets.0.labelSelector", '{span_name="$span_name"}'),
             "dashboard",
             "slo=ok",
             id="no-breach-comparison",
@@ -910,6 +953,18 @@ def _run_as_root(stack: Stack) -> None:
             "sample_env",
             "collector",
             id="otlp-to-nowhere",
+        ),
+        pytest.param(
+            _set(f"{_FASTAPI_ENV}.SPANPROF_PROFILES_EXPORTER", "pyroscope"),
+            "datasources",
+            "arrives as",
+            id="memory-link-to-another-type",
+        ),
+        pytest.param(
+            _set(f"{_FASTAPI_ENV}.SPANPROF_PROFILES_EXPORTER", "pyroscope"),
+            "dashboard",
+            "allocated bytes",
+            id="memory-panel-of-another-type",
         ),
         pytest.param(
             _set(f"{_FASTAPI_ENV}.SPANPROF_ROUTE_SLO", "checkout"),
