@@ -66,8 +66,9 @@ class profile_labels:
 
     Arguments:
         **labels: label names (letters, digits, ``_``; not ``span_id``, ``trace_id``,
-            ``span_name`` or ``service_name``) to values. Values are converted to ``str`` and
-            sanitized to what Pyroscope accepts. Invalid names raise ``ValueError`` at once.
+            ``span_name``, ``slo``, ``service_name`` or a name starting with ``__``) to
+            values. Values are converted to ``str`` and sanitized to what Pyroscope accepts.
+            Invalid names raise ``ValueError`` at once.
     """
 
     __slots__ = ("_labels", "_tokens")

@@ -100,11 +100,12 @@ def _ignore(previous: LabelSet, current: LabelSet) -> None:
 class ExactBackend(WithPyroscopeSettings):
     """Profiles with exact per-sample labels, even when requests switch every 100 µs.
 
-    A ``SIGPROF`` timer (``ITIMER_PROF``, ``sample_rate`` ticks per second of process CPU) runs
-    a handler in the main thread that reads every thread's stack together with the labels it
-    runs under: the event loop's running task's labels straight from its context, thread-pool
-    work's labels as the label engine recorded them when the job started. Samples weigh the CPU
-    each thread used; threads waiting on a lock, a queue or a socket are not counted as running.
+    A ``SIGPROF`` timer (``timer_create`` on the process CPU clock, directed at the main thread;
+    ``sample_rate`` ticks per second of process CPU) runs a handler in the main thread that
+    reads every thread's stack together with the labels it runs under: the event loop's running
+    task's labels straight from its context, thread-pool work's labels as the label engine
+    recorded them when the job started. Samples weigh the CPU each thread used; threads
+    waiting on a lock, a queue or a socket are not counted as running.
     Uploads go to ``{server_address}/push.v1.PusherService/Push`` every ``upload_interval``
     seconds, exactly like pyroscope-io's (and/or, with ``exporters="otlp"``, as OTLP profiles
     whose samples link to their spans, to the endpoint the ``OTEL_EXPORTER_OTLP_*`` variables
