@@ -408,6 +408,34 @@ def test_file_wrapper_is_handed_over_and_ends_at_close(
     assert len(server_spans(span_exporter)) == 1
 
 
+def test_exc_info_by_keyword_reaches_the_server(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """PEP 3333 names the parameter ``exc_info``: an app passing it by keyword sends its 500."""
+    # Not through wsgiref's validator: it rejects keyword arguments, wsgiref's handler does not.
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
+        try:
+            raise RuntimeError("handled by the app")
+        except RuntimeError:
+            start_response(
+                "500 Internal Server Error",
+                [("Content-Type", "text/plain"), ("Content-Length", "9")],
+                exc_info=sys.exc_info(),  # type: ignore[call-arg]
+            )
+        return [b"app's 500"]
+
+    middleware = WSGIProfilingMiddleware(
+        app, profiler=None, tracer_provider=tracer_provider, environ={}
+    )
+    output, errors = serve_once(middleware)
+    assert errors == ""
+    assert output.startswith(b"HTTP/1.0 500 ")
+    assert output.endswith(b"\r\n\r\napp's 500")
+    (span,) = server_spans(span_exporter)
+    assert span.status.status_code is StatusCode.ERROR
+
+
 def test_labels_are_cleared_even_if_the_server_never_closes(
     recorder: RecorderBackend, tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
 ) -> None:

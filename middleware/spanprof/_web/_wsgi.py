@@ -333,8 +333,11 @@ class _Request:
     ) -> Iterable[bytes]:
         """Call the app; return its body wrapped so that iterating and closing stay labelled."""
 
+        # Takes its arguments by the names servers give them (wsgiref, gunicorn and waitress
+        # all accept exc_info= by keyword, as PEP 3333 names it) and hands them on positionally,
+        # which every server accepts (uWSGI only that way).
         def labelled_start_response(
-            status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None, /
+            status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None
         ) -> _WriteCallable:
             self.response_started(status, headers)
             if exc_info is None:
