@@ -436,6 +436,46 @@ def test_exc_info_by_keyword_reaches_the_server(
     assert span.status.status_code is StatusCode.ERROR
 
 
+@pytest.mark.parametrize(
+    ("chunks", "content_length"), [([b"hello world"], b"11"), ([b"hello", b" world"], None)]
+)
+def test_the_server_sees_the_length_of_a_sized_body(
+    tracer_provider: TracerProvider, chunks: list[bytes], content_length: bytes | None
+) -> None:
+    """wsgiref and waitress set Content-Length for a one-item body: spanprof keeps its len()."""
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return list(chunks)
+
+    middleware = WSGIProfilingMiddleware(
+        app, profiler=None, tracer_provider=tracer_provider, environ={}
+    )
+    output, errors = serve_once(middleware)
+    assert errors == ""
+    head, _, body = output.partition(b"\r\n\r\n")
+    assert body == b"hello world"
+    lengths = [line for line in head.split(b"\r\n") if line.startswith(b"Content-Length: ")]
+    assert lengths == ([] if content_length is None else [b"Content-Length: " + content_length])
+
+
+def test_an_unsized_body_stays_unsized(tracer_provider: TracerProvider) -> None:
+    """A generator body has no len(): spanprof's wrapper offers none (waitress asks hasattr)."""
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterator[bytes]:
+        start_response("200 OK", [])
+        yield b"streamed"
+
+    middleware = WSGIProfilingMiddleware(
+        app, profiler=None, tracer_provider=tracer_provider, environ={}
+    )
+    environ: dict[str, Any] = {"QUERY_STRING": ""}
+    setup_testing_defaults(environ)
+    body = middleware(environ, lambda status, headers, exc_info=None: lambda data: None)
+    assert not hasattr(body, "__len__")
+    assert list(body) == [b"streamed"]
+
+
 def test_labels_are_cleared_even_if_the_server_never_closes(
     recorder: RecorderBackend, tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
 ) -> None:

@@ -350,6 +350,11 @@ class _Request:
         file_wrapper = environ.get("wsgi.file_wrapper")
         if isinstance(file_wrapper, type) and isinstance(result, file_wrapper):
             return self._hand_over_file(result)
+        # Servers read len() of the body: wsgiref and waitress send Content-Length (keeping the
+        # connection alive) for a one-item body. The server sees the app's own len(), and no
+        # __len__ at all where the app's body has none (waitress tests hasattr, then calls it).
+        if hasattr(type(result), "__len__"):
+            return _SizedBody(result, self)
         return _Body(result, self)
 
     def _hand_over_file(self, result: Iterable[bytes]) -> Iterable[bytes]:
@@ -470,3 +475,14 @@ class _Body:
                 request.call(close)
         finally:
             request.finish()
+
+
+class _SizedBody(_Body):
+    """A body whose app iterable has a length: the server reads that length through it."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        # Built only for a result whose type has __len__. Not run with the request's labels: a
+        # body's length is its container's count, asked by the server, not request code.
+        return len(self._result)  # type: ignore[arg-type]
