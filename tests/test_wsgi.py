@@ -36,7 +36,7 @@ from spanprof import (
     uninstall_greenlet_labels,
 )
 
-from .conftest import require
+from .conftest import histogram_points, require
 from .e2e import django_project
 from .e2e.django_project import snapshot
 
@@ -516,6 +516,66 @@ def test_app_exception_propagates_with_span_ended_and_labels_cleared(
     assert span.name == "GET /boom"
     assert span.status.status_code is StatusCode.ERROR
     assert [e.name for e in span.events] == ["exception"]
+    assert_nothing_leaked(recorder)
+
+
+class Unprintable(Exception):
+    """An exception whose str() itself raises (a lazy message that hits a closed resource)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no str for this exception")
+
+
+@pytest.mark.parametrize("where", ["call", "body"])
+def test_an_exception_whose_str_fails_propagates_and_ends_the_span(
+    recorder: RecorderBackend,
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    meter_provider: MeterProvider,
+    metric_reader: InMemoryMetricReader,
+    where: str,
+) -> None:
+    """The server gets the app's own exception; the span ends as an error; the duration counts."""
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterator[bytes]:
+        if where == "call":
+            raise Unprintable
+        start_response("200 OK", [])
+
+        def body() -> Iterator[bytes]:
+            yield b"first"
+            raise Unprintable
+
+        return body()
+
+    middleware = WSGIProfilingMiddleware(
+        app,
+        profiler=None,
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+        environ={},
+    )
+    environ: dict[str, Any] = {"QUERY_STRING": ""}
+    setup_testing_defaults(environ)
+
+    def serve() -> list[bytes]:
+        body = middleware(environ, lambda status, headers, exc_info=None: lambda data: None)
+        try:
+            return list(body)
+        finally:
+            getattr(body, "close", lambda: None)()
+
+    with pytest.raises(Unprintable):
+        serve()
+    (span,) = server_spans(span_exporter)
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.status.description == "Unprintable"
+    assert span.attributes is not None
+    assert span.attributes["error.type"] == "Unprintable"
+    (point,) = histogram_points(metric_reader, "http.server.request.duration")
+    assert point.count == 1
+    assert point.attributes is not None
+    assert point.attributes["error.type"] == "Unprintable"
     assert_nothing_leaked(recorder)
 
 

@@ -405,12 +405,31 @@ class _Request:
         """The app raised (in the call, the body or ``close``): record it, end the request."""
         if self.error is None:
             self.error = exc
-            span = self.span
-            if self.owns_span and span.is_recording():
-                span.record_exception(exc)
-                span.set_attribute("error.type", type(exc).__qualname__)
-                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            if self.owns_span:
+                self._describe_error(exc)
         self.finish()
+
+    def _describe_error(self, exc: BaseException) -> None:
+        # Runs while the app's exception propagates: nothing here may replace it, or keep the
+        # request from ending. The app's exception may not even print itself (a __str__ that
+        # raises), and the SDK's record_exception calls str() on it.
+        span = self.span
+        try:
+            if not span.is_recording():
+                return
+            span.set_attribute("error.type", type(exc).__qualname__)
+            try:
+                description = f"{type(exc).__name__}: {exc}"
+            except Exception:
+                description = type(exc).__name__
+            span.set_status(Status(StatusCode.ERROR, description))
+            span.record_exception(exc)
+        except Exception:
+            log_once(
+                "wsgi-exception-event",
+                "spanprof: recording the app's exception on the span failed; the exception "
+                "reaches the server unchanged (logged once)",
+            )
 
     def finish(self) -> None:
         """End the request once: record its duration, then end the span if it is ours."""
