@@ -22,7 +22,7 @@ from flask import Blueprint, Flask, Response
 from opentelemetry.instrumentation.wsgi import OpenTelemetryMiddleware
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -576,6 +576,51 @@ def test_an_exception_whose_str_fails_propagates_and_ends_the_span(
     assert point.count == 1
     assert point.attributes is not None
     assert point.attributes["error.type"] == "Unprintable"
+    assert_nothing_leaked(recorder)
+
+
+class RaisingOnEnd(SpanProcessor):
+    """A span processor whose on_end fails (the SDK lets it raise out of ``span.end()``)."""
+
+    def on_end(self, span: ReadableSpan) -> None:
+        raise KeyError("exporter queue")
+
+
+def test_a_span_processor_raising_on_end_is_logged_once_and_the_body_completes(
+    recorder: RecorderBackend,
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Ending the span after the last chunk fails: the server still sees the body end cleanly."""
+    tracer_provider.add_span_processor(RaisingOnEnd())
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterator[bytes]:
+        start_response("200 OK", [])
+        yield b"first "
+        yield b"last"
+
+    def failing(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        raise LookupError("the app's own failure")
+
+    served = WSGIProfilingMiddleware(
+        app, profiler=None, tracer_provider=tracer_provider, environ={}
+    )
+    broken = WSGIProfilingMiddleware(
+        failing, profiler=None, tracer_provider=tracer_provider, environ={}
+    )
+    environ: dict[str, Any] = {"QUERY_STRING": ""}
+    setup_testing_defaults(environ)
+    with caplog.at_level("WARNING", logger="spanprof"):
+        for _ in range(2):
+            body = served(dict(environ), lambda status, headers, exc_info=None: lambda data: None)
+            assert list(body) == [b"first ", b"last"]
+            getattr(body, "close", lambda: None)()
+        with pytest.raises(LookupError, match="the app's own failure"):
+            broken(dict(environ), lambda status, headers, exc_info=None: lambda data: None)
+    # The in-memory exporter runs before the failing processor: every span did end.
+    assert len(server_spans(span_exporter)) == 3
+    assert len([r for r in caplog.records if "ending the request's span" in r.getMessage()]) == 1
     assert_nothing_leaked(recorder)
 
 

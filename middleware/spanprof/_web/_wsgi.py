@@ -448,7 +448,17 @@ class _Request:
             self.labels.get("span_id"),
         )
         if self.owns_span:
-            self.span.end()
+            try:
+                self.span.end()
+            except Exception:
+                # The SDK lets a span processor's on_end raise out of end(). finish() runs as
+                # the body ends (inside the server's next(), turning StopIteration into a failed
+                # body), in close() and while the app's exception propagates: never raise here.
+                log_once(
+                    "wsgi-span-end",
+                    "spanprof: ending the request's span failed (a span processor raised); "
+                    "the response is unaffected (logged once)",
+                )
 
 
 class _Body:
