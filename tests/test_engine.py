@@ -137,6 +137,25 @@ def test_values_are_sanitized() -> None:
     assert labels["n"] == "5"
 
 
+class LazyUser:
+    """A request's user object whose str() fails (its lazy name needs a closed database)."""
+
+    def __str__(self) -> str:
+        raise ConnectionError("database gone")
+
+
+def test_a_value_whose_str_fails_is_a_placeholder_logged_once(
+    fresh_log_once: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """profile_labels runs per request: a value it cannot print is named by its type instead."""
+    with caplog.at_level("WARNING", logger="spanprof"):
+        for _ in range(2):
+            with profile_labels(user=LazyUser(), tenant="acme"):
+                labels = dict(current_labels())
+            assert labels == {"user": "<LazyUser>", "tenant": "acme"}
+    assert len([r for r in caplog.records if "str() failed" in r.getMessage()]) == 1
+
+
 def test_interleaved_tasks_keep_exact_labels(recorder: RecorderBackend, loop_kind: str) -> None:
     """Tasks switching on one loop each run under their own labels, at every step."""
     check = Checker(recorder)

@@ -13,6 +13,8 @@ from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, Va
 from contextvars import ContextVar
 from typing import Any
 
+from .._logging import log_once
+
 __all__ = [
     "EMPTY",
     "LABELS",
@@ -56,8 +58,20 @@ def validate_key(key: str, *, setting: str = "label key", allow_reserved: bool =
 
 
 def sanitize_value(value: object) -> str:
-    """Turn any value into a label value Pyroscope accepts: safe ASCII, bounded length."""
-    text = value if isinstance(value, str) else str(value)
+    """Turn any value into a label value Pyroscope accepts: safe ASCII, bounded length.
+
+    A value whose ``str()`` raises becomes ``<TypeName>``: ``profile_labels`` runs inside
+    requests (a lazy user object whose name needs the database), and must not fail them.
+    """
+    try:
+        text = value if isinstance(value, str) else str(value)
+    except Exception:
+        log_once(
+            "label-value-str",
+            "spanprof: str() failed on a profile label value; it is labelled with its type name "
+            "instead (logged once)",
+        )
+        text = f"<{type(value).__name__}>"
     if len(text) > MAX_VALUE_LENGTH:
         text = text[:MAX_VALUE_LENGTH]
     if _UNSAFE_VALUE_RE.search(text):

@@ -67,7 +67,8 @@ class profile_labels:
     Arguments:
         **labels: label names (letters, digits, ``_``; not ``span_id``, ``trace_id``,
             ``span_name``, ``slo``, ``service_name`` or a name starting with ``__``) to
-            values. Values are converted to ``str`` and sanitized to what Pyroscope accepts.
+            values. Values are converted to ``str`` and sanitized to what Pyroscope accepts
+            (a value whose ``str()`` raises is labelled ``<TypeName>``, logged once).
             Invalid names raise ``ValueError`` at once.
     """
 
