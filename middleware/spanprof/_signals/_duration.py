@@ -120,16 +120,24 @@ class DurationRecorder:
         self._attributes: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     def mark(self, span: Span, route: str | None, seconds: float) -> bool:
-        """Tell the span whether it breached its SLO; returns whether it did.
+        """Tell the span whether it breached its SLO; returns whether it did. Never raises.
 
         Call it before the last body message is sent: OpenTelemetry's ASGI middleware ends
         the server span as that message goes out, and an ended span takes no attributes.
         """
         threshold = self.slo.threshold(route)
         breached = seconds > threshold
-        if breached and span.is_recording():
-            span.set_attribute(BREACH_ATTRIBUTE, True)
-            span.set_attribute(THRESHOLD_ATTRIBUTE, threshold)
+        if breached:
+            try:
+                if span.is_recording():
+                    span.set_attribute(BREACH_ATTRIBUTE, True)
+                    span.set_attribute(THRESHOLD_ATTRIBUTE, threshold)
+            except Exception:  # a span that refuses attributes: the verdict still stands
+                log_once(
+                    "slo-mark",
+                    "spanprof: the span refused its SLO attributes; the request and its "
+                    "duration are unaffected (logged once)",
+                )
         return breached
 
     def record(
