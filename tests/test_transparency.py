@@ -15,9 +15,11 @@ import pytest
 from opentelemetry.instrumentation.utils import suppress_http_instrumentation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, Tracer
+from opentelemetry.trace import TracerProvider as APITracerProvider
 from starlette.endpoints import HTTPEndpoint, WebSocketEndpoint
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -29,6 +31,7 @@ from spanprof._labels import _engine
 from .asgi_driver import websocket_session
 from .conftest import run_on
 from .e2e.server import free_port
+from .exporting import log_messages
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -422,3 +425,265 @@ def test_uvicorn_on_uvloop_without_lifespan_labels_its_first_request_too(
         thread.join(10)
         _engine.uninstall_label_engine()
     assert steps == {"/first": [True] * 5, "/second": [True] * 5}
+
+
+# --- 12: OpenTelemetry failing around an ASGI app never fails its request ---------------------
+
+
+async def _exchange(app: Any, scope: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
+    """Run one request through ``app``: the messages it sent and what it raised (or None)."""
+    try:
+        return await _call(app, scope), None
+    except BaseException as exc:
+        return [], exc
+
+
+class _FailingProcessor(SpanProcessor):
+    """A span processor that raises where the SDK does not catch it (fault injection)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        if self.where == "on_start":
+            raise KeyError("tenant")
+
+    def on_end(self, span: Any) -> None:
+        if self.where == "on_end":
+            raise KeyError("exporter queue")
+
+
+def _failing_provider(where: str, exporter: InMemorySpanExporter) -> TracerProvider:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider.add_span_processor(_FailingProcessor(where))
+    return provider
+
+
+class _DownTracer(Tracer):
+    def start_span(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("tracer down")
+
+    def start_as_current_span(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("tracer down")
+
+
+class _DownProvider(APITracerProvider):
+    def get_tracer(self, *args: Any, **kwargs: Any) -> Tracer:
+        return _DownTracer()
+
+
+def _serving_app(seen: list[Any]) -> Any:
+    """An app that answers ``ok`` and notes the scope it got and whether a send raised."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+        seen.append("sent")
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("query", "headers"),
+    [
+        (b"q=caf\xe9", [(b"host", b"test")]),  # uvicorn with httptools passes the byte through
+        (b"", [(b"host", b"test"), (b"traceparent", b"\x80\\")]),
+    ],
+    ids=["query-string", "header"],
+)
+def test_a_request_otel_cannot_decode_is_traced_and_the_app_gets_the_servers_scope(
+    query: bytes,
+    headers: list[tuple[bytes, bytes]],
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+    fresh_log_once: None,
+) -> None:
+    """OTel is shown a decodable copy; the app runs once, on the very scope the server made."""
+    seen: list[Any] = []
+    middleware = ProfilingMiddleware(
+        _serving_app(seen), profiler=None, tracer_provider=tracer_provider
+    )
+    scope = {**_scope("/search", headers), "query_string": query}
+    original = {**scope, "headers": list(headers)}
+    messages, raised = asyncio.run(_exchange(middleware, scope))
+    assert raised is None
+    assert [(m["type"], m.get("status"), m.get("body")) for m in messages] == [
+        ("http.response.start", 200, None),
+        ("http.response.body", None, b"ok"),
+    ]
+    assert seen == [scope, "sent"]
+    assert seen[0] is scope
+    assert {k: v for k, v in scope.items() if k != "fastapi.telemetry"} == original
+    (span,) = _server_spans(span_exporter)
+    assert span.attributes is not None
+    if query:  # what OTel makes of the query a client percent-encoded
+        assert span.attributes["http.url"] == "http://test/search?q=caf\ufffd"
+    assert len(log_messages(caplog, "cannot decode")) == 1
+
+
+@pytest.mark.parametrize("failure", ["on_start", "tracer"])
+def test_otel_failing_before_the_app_serves_the_request_untraced_once(
+    failure: str,
+    span_exporter: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+    fresh_log_once: None,
+) -> None:
+    """A span processor's ``on_start`` (the SDK lets it raise) or a broken tracer: 200, once."""
+    seen: list[Any] = []
+    provider: APITracerProvider = (
+        _failing_provider("on_start", span_exporter) if failure == "on_start" else _DownProvider()
+    )
+    middleware = ProfilingMiddleware(_serving_app(seen), profiler=None, tracer_provider=provider)
+    for _ in range(2):
+        messages, raised = asyncio.run(_exchange(middleware, _scope()))
+        assert raised is None
+        assert [m["type"] for m in messages] == ["http.response.start", "http.response.body"]
+    assert [s if s == "sent" else "scope" for s in seen] == ["scope", "sent"] * 2
+    assert len(log_messages(caplog, "served untraced")) == 1
+    assert current_labels() == {}
+
+
+@pytest.mark.parametrize("ending", ["completes", "raises"])
+def test_a_span_refusing_the_slo_mark_keeps_the_response_and_the_apps_exception(
+    ending: str,
+    tracer_provider: TracerProvider,
+    caplog: pytest.LogCaptureFixture,
+    fresh_log_once: None,
+) -> None:
+    """``spanprof.slo.*`` refused by the span (set in the app's last send, or as it raises)."""
+    real = tracer_provider.get_tracer("picky")
+
+    class Picky:
+        def __init__(self, span: Any) -> None:
+            self._span = span
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._span, name)
+
+        def set_attribute(self, key: str, value: Any) -> None:
+            if key.startswith("spanprof.slo"):
+                raise TypeError("attribute limit reached")
+            self._span.set_attribute(key, value)
+
+    class PickyTracer(Tracer):
+        def start_span(self, *args: Any, **kwargs: Any) -> Any:
+            return Picky(real.start_span(*args, **kwargs))
+
+        def start_as_current_span(self, *args: Any, **kwargs: Any) -> Any:
+            return real.start_as_current_span(*args, **kwargs)
+
+    class PickyProvider(APITracerProvider):
+        def get_tracer(self, *args: Any, **kwargs: Any) -> Tracer:
+            return PickyTracer()
+
+    own = ValueError("the app's own")
+    sends: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await asyncio.sleep(0.03)
+        if ending == "raises":
+            raise own
+        await send({"type": "http.response.body", "body": b"ok"})
+        sends.append("returned")
+
+    middleware = ProfilingMiddleware(
+        app, profiler=None, tracer_provider=PickyProvider(), slo_seconds=0.01
+    )
+    messages, raised = asyncio.run(_exchange(middleware, _scope()))
+    if ending == "raises":
+        assert raised is own
+    else:
+        assert raised is None
+        assert [m["type"] for m in messages] == ["http.response.start", "http.response.body"]
+        assert sends == ["returned"]
+    assert len(log_messages(caplog, "SLO")) == 1
+
+
+@pytest.mark.parametrize("ending", ["completes", "returns-early", "raises"])
+def test_a_span_processor_failing_on_end_never_reaches_the_app_or_the_server(
+    ending: str,
+    span_exporter: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+    fresh_log_once: None,
+) -> None:
+    """``on_end`` raising (in the app's last send, or after the app left): nothing changes."""
+    own = ValueError("the app's own")
+    sends: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if ending == "raises":
+            raise own
+        if ending == "completes":
+            await send({"type": "http.response.body", "body": b"ok"})
+        sends.append("returned")  # the app's send never raised
+
+    provider = _failing_provider("on_end", span_exporter)
+    middleware = ProfilingMiddleware(app, profiler=None, tracer_provider=provider)
+    for _ in range(2):
+        messages, raised = asyncio.run(_exchange(middleware, _scope()))
+        if ending == "raises":
+            assert raised is own
+            assert raised.__context__ is None
+        else:
+            assert raised is None
+            assert messages[0]["type"] == "http.response.start"
+    if ending == "completes":
+        assert [m["type"] for m in messages] == ["http.response.start", "http.response.body"]
+    assert sends == ([] if ending == "raises" else ["returned"] * 2)
+    assert len(_server_spans(span_exporter)) == 2
+    assert len(log_messages(caplog, "OpenTelemetry")) == 1
+    assert current_labels() == {}
+
+
+def test_an_app_exception_whose_str_raises_propagates_unchanged(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """OTel's ``use_span`` formats the exception for the span's status: the app's still wins."""
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no str for you")
+
+    own = Unprintable()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise own
+
+    middleware = ProfilingMiddleware(app, profiler=None, tracer_provider=tracer_provider)
+    _, raised = asyncio.run(_exchange(middleware, _scope()))
+    assert raised is own
+    assert raised.__context__ is None
+    assert len(_server_spans(span_exporter)) == 1
+
+
+def test_captured_response_headers_otel_cannot_decode_keep_the_response(
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OTel decodes captured response headers with ``unicode_escape``: a backslash raises."""
+    monkeypatch.setenv(
+        "OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_SERVER_RESPONSE", "content-type,x-file"
+    )
+    headers = [
+        (b"content-type", b"application/pdf"),
+        (b"x-file", "D:\\x\\r\xe9sum\xe9.pdf".encode("latin-1")),
+    ]
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": list(headers)})
+        await send({"type": "http.response.body", "body": b"pdf"})
+
+    middleware = ProfilingMiddleware(app, profiler=None, tracer_provider=tracer_provider)
+    messages, raised = asyncio.run(_exchange(middleware, _scope()))
+    assert raised is None
+    assert [m["type"] for m in messages] == ["http.response.start", "http.response.body"]
+    assert messages[0]["headers"] == headers
+    (span,) = _server_spans(span_exporter)
+    assert span.attributes is not None
+    assert span.attributes["http.response.header.content_type"] == ("application/pdf",)

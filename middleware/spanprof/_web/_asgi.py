@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import time
 from collections.abc import Callable
 from contextvars import ContextVar, Token
@@ -50,6 +52,7 @@ class _Request:
 
     __slots__ = (
         "app_called",
+        "app_failure",
         "breached",
         "finished",
         "labels_token",
@@ -58,6 +61,7 @@ class _Request:
         "span",
         "span_id",
         "started",
+        "status_code",
         "template",
         "usage",
     )
@@ -74,6 +78,10 @@ class _Request:
         # Whether OTel's middleware reached the app: then its failure is the app's own, and
         # the request must never be served a second time.
         self.app_called = False
+        # What the app raised: OTel may replace it on the way out (its use_span formats it,
+        # its span's end may raise), and the app's own exception is the one that propagates.
+        self.app_failure: BaseException | None = None
+        self.status_code: int | None = None
         self.started = time.perf_counter()
         # When the response completed (or the app returned or raised) and whether that breached
         # the SLO: decided while OTel's server span is still open, which it ends on its way out.
@@ -111,18 +119,99 @@ def _span_details(scope: Scope) -> tuple[str, dict[str, Any]]:
     return (request.name if request is not None else UNMATCHED), {}
 
 
-def _sanitized(scope: Scope) -> Scope:
-    """A copy of ``scope`` without headers OTel's ASGI getter cannot decode.
+_NON_ASCII = re.compile(rb"[\x80-\xff]")
 
-    It decodes every header name and value with ``unicode_escape`` on each lookup, so one
-    stray backslash in any header (``traceparent: \\x80\\``) raises before the app runs.
+
+def _percent_encoded(match: re.Match[bytes]) -> bytes:
+    return b"%%%02X" % match[0][0]
+
+
+def _sanitized(scope: Scope) -> Scope | None:
+    """A copy of ``scope`` OTel's ASGI middleware can decode, or None if it has nothing to hide.
+
+    OTel decodes every header name and value with ``unicode_escape`` on each lookup, so one
+    stray backslash in any header (``traceparent: \\x80\\``) raises before the app runs; such
+    headers are left out. It decodes the query string as UTF-8, which servers do not check
+    (uvicorn with httptools passes ``?q=caf\\xe9`` through): its other bytes are
+    percent-encoded, as a client should have sent them.
     """
-    headers = [
-        (name, value)
-        for name, value in scope.get("headers", ())
-        if b"\\" not in name and b"\\" not in value
-    ]
-    return {**scope, "headers": headers}
+    headers = list(scope.get("headers", ()))
+    kept = [(name, value) for name, value in headers if b"\\" not in name and b"\\" not in value]
+    query = scope.get("query_string")
+    decodable = query
+    if isinstance(query, bytes):
+        try:
+            query.decode("utf-8")
+        except UnicodeDecodeError:
+            decodable = _NON_ASCII.sub(_percent_encoded, query)
+    if len(kept) == len(headers) and decodable is query:
+        return None
+    return {**scope, "headers": kept, "query_string": decodable}
+
+
+def _timed_send(
+    request: _Request,
+    send: Send,
+    durations: DurationRecorder,
+    runtime: ProfilerRuntime,
+    *,
+    guarded: bool,
+) -> Send:
+    """``send`` that notes the status and decides the SLO verdict as the response completes.
+
+    ``guarded``: ``send`` is spanprof's own OTel layer, which ends the server span right after
+    the last body message went out; a span processor's ``on_end`` raising there is OTel's
+    failure, not the app's, and must not reach the app (it would skip its background tasks).
+    """
+
+    async def send_and_time(message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            request.status_code = message["status"]
+        elif (
+            kind == "http.response.body"
+            and not message.get("more_body", False)
+            and request.finished is None
+        ):
+            # The last chunk of the body, streaming or not: the response is complete, and
+            # OTel ends the server span once this message has gone out, so mark it now.
+            request.conclude(time.perf_counter(), durations, runtime)
+            if guarded:
+                try:
+                    await send(message)
+                except Exception:
+                    # OTel ends the span only after the server took the message: a span that
+                    # ended here means the response went out and only its end failed. (A
+                    # failure of the server's send leaves the span open, and reaches the app.)
+                    span = request.span
+                    if span is None or not is_ended_span(span):
+                        raise
+                    _log_otel_failure_after_app()
+                return
+        await send(message)
+
+    return send_and_time
+
+
+def _log_otel_failure_after_app() -> None:
+    log_once(
+        "otel-asgi-after-app",
+        "spanprof: OpenTelemetry's ASGI middleware failed after the app ran (a span "
+        "processor's on_end?); the request keeps the app's response and outcome (logged once)",
+    )
+
+
+def _settle(request: _Request, exc: Exception) -> BaseException | None:
+    """OTel's middleware raised ``exc`` after the app ran: what the request raises, if anything.
+
+    The app's own exception, even when OTel replaced it on its way out; nothing when the app
+    returned and OTel failed after it.
+    """
+    own = request.app_failure
+    request.app_failure = None  # the exception's traceback holds the request: no cycle
+    if own is not exc:
+        _log_otel_failure_after_app()
+    return own
 
 
 class _App:
@@ -149,10 +238,18 @@ class _App:
             await self.app(scope, receive, send)
             return
         request.app_called = True
+        http = scope["type"] == "http"
+        if http:
+            # Outside OTel's send layer, so that what OTel raises as the response goes out
+            # (its span's end) is caught before it reaches the app.
+            send = _timed_send(request, send, self.durations, self.runtime, guarded=True)
         try:
             await self.app(request.scope, receive, send)
+        except BaseException as exc:
+            request.app_failure = exc
+            raise
         finally:
-            if request.finished is None and scope["type"] == "http":
+            if request.finished is None and http:
                 # The app returned or raised without completing the response: OTel ends the
                 # span right after this, so mark it now.
                 request.conclude(time.perf_counter(), self.durations, self.runtime)
@@ -200,6 +297,67 @@ def _leave(request: _Request) -> None:
         request.labels_token = None
         LABELS.reset(token)
         apply(LABELS.get())
+
+
+def _log_otel_failure_before_app(sanitized: Scope | None) -> None:
+    if sanitized is not None:
+        log_once(
+            "otel-asgi-undecodable",
+            "spanprof: OpenTelemetry's ASGI middleware cannot decode this request's headers or "
+            "query string; traced it with those hidden from OpenTelemetry, the app gets them "
+            "as sent (logged once)",
+        )
+    else:
+        log_once(
+            "otel-asgi-untraced",
+            "spanprof: OpenTelemetry's ASGI middleware failed before the app ran; the request "
+            "is served untraced (logged once)",
+        )
+
+
+def _abandon(request: _Request, runtime: ProfilerRuntime) -> None:
+    # A failed attempt may have labelled the request with a span OTel has since ended.
+    _leave(request)
+    if request.span_id is not None:
+        end_span(runtime, request.span, request.span_id, None)
+        request.span_id = None
+    request.span = None
+
+
+def _guard_response_header_capture(traced: OpenTelemetryMiddleware) -> None:
+    """OTel's capture of response headers must not lose the response it reads them from.
+
+    With ``OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_SERVER_RESPONSE`` set, OTel decodes every
+    response header with ``unicode_escape`` inside the app's ``send``, before the message goes
+    out: a latin-1 header holding a backslash (``filename="D:\\x\\résumé.pdf"``) raises and
+    the response is lost. Headers it cannot decode are left out of what it captures; the
+    server still gets the message as the app sent it. Installed only when the capture is on.
+    """
+    original = getattr(traced, "_set_server_span", None)
+    if original is None:  # an OTel version without the method: nothing to guard
+        return
+
+    def set_server_span(
+        server_span: Span, message: Message, status_code: Any, duration_attrs: Any
+    ) -> None:
+        try:
+            original(server_span, message, status_code, duration_attrs)
+        except Exception:
+            log_once(
+                "otel-asgi-response-headers",
+                "spanprof: OpenTelemetry cannot decode a response header it was told to "
+                "capture; it is left out of the span, the response is unchanged (logged once)",
+            )
+            headers = [
+                (name, value)
+                for name, value in message.get("headers", ())
+                if b"\\" not in name and b"\\" not in value
+            ]
+            # Not the headers after all: the span goes without them, the response still out.
+            with contextlib.suppress(Exception):
+                original(server_span, {**message, "headers": headers}, status_code, duration_attrs)
+
+    traced._set_server_span = set_server_span  # type: ignore[method-assign]
 
 
 class ProfilingMiddleware:
@@ -259,6 +417,9 @@ class ProfilingMiddleware:
             meter_provider=NoOpMeterProvider(),
             exclude_spans=["receive", "send"],
         )
+
+        if self._traced.http_capture_headers_server_response:
+            _guard_response_header_capture(self._traced)
 
     @property
     def profiler(self) -> ProfilerBackend | None:
@@ -338,55 +499,42 @@ class ProfilingMiddleware:
             current.update_name(name)
         request = _Request(name, template, scope)
         # One coroutine around OTel's for the whole request (each extra layer costs): timing and
-        # labels here, the SLO mark on early exits in _App.
+        # labels here; the response's timing and the SLO mark on early exits in _App.
         durations = self._durations
         runtime = self._runtime
         timed = kind == "http"
-        status_code: int | None = None
-        server_send = send
-
-        async def send_and_time(message: Message) -> None:
-            nonlocal status_code
-            kind = message["type"]
-            if kind == "http.response.start":
-                status_code = message["status"]
-            elif (
-                kind == "http.response.body"
-                and not message.get("more_body", False)
-                and request.finished is None
-            ):
-                # The last chunk of the body, streaming or not: the response is complete, and
-                # OTel ends the server span once this message has gone out, so mark it now.
-                request.conclude(time.perf_counter(), durations, runtime)
-            await server_send(message)
-
-        if timed:
-            send = send_and_time
         failure: BaseException | None = None
         token = _REQUEST.set(request)
         try:
             if reused:
                 self._labeller.enter(request, current)
+                if timed:
+                    send = _timed_send(request, send, durations, runtime, guarded=False)
                 await self.app(scope, receive, send)
             else:
                 try:
                     await self._traced(scope, receive, send)
-                except Exception:
+                    return
+                except Exception as exc:
                     if request.app_called:
-                        # The app's own failure: never serve a request twice. (Under OTel's
+                        # Never serve a request twice. (Under OTel's
                         # suppress_http_instrumentation() the app runs without a span.)
-                        raise
-                    # OpenTelemetry failed before it reached the app (undecodable trace
-                    # headers): the request must not. Retry with those headers left out.
-                    log_once(
-                        "otel-asgi-headers",
-                        "spanprof: OpenTelemetry's ASGI middleware failed on this request's "
-                        "headers; served it with those headers hidden from tracing (logged "
-                        "once)",
-                    )
-                    await self._traced(_sanitized(scope), receive, send)
+                        own = _settle(request, exc)
+                        if own is exc:
+                            raise
+                        retry = None
+                    else:
+                        own = None
+                        retry = _sanitized(scope)
+                        _log_otel_failure_before_app(retry)
+                # Raised outside the except block: the app's exception keeps its own context.
+                if own is not None:
+                    raise own
+                if not request.app_called:
+                    await self._recover(request, retry, receive, send)
         except BaseException as exc:
             failure = exc
+            request.app_failure = None
             raise
         finally:
             _leave(request)
@@ -403,12 +551,40 @@ class ProfilingMiddleware:
                     method=known_method(method),
                     route=template,
                     scheme=scope.get("scheme"),
-                    status_code=status_code,
+                    status_code=request.status_code,
                     exc=failure,
                     span=request.span if request.span is not None else INVALID_SPAN,
                     breached=request.breached,
                     cpu_seconds=None if request.usage is None else request.usage.cpu_ns / 1e9,
                 )
+
+    async def _recover(
+        self, request: _Request, sanitized: Scope | None, receive: Receive, send: Send
+    ) -> None:
+        """OTel failed before the app ran: trace ``sanitized``, or serve the request untraced."""
+        _abandon(request, self._runtime)
+        if sanitized is not None:
+            try:
+                await self._traced(sanitized, receive, send)
+                return
+            except Exception as exc:
+                if request.app_called:
+                    own = _settle(request, exc)
+                    if own is exc:
+                        raise
+                else:
+                    own = None
+                    _log_otel_failure_before_app(None)
+            if own is not None:
+                raise own
+            if request.app_called:
+                return
+            _abandon(request, self._runtime)
+        request.app_called = True
+        scope = request.scope
+        if scope["type"] == "http":
+            send = _timed_send(request, send, self._durations, self._runtime, guarded=False)
+        await self.app(scope, receive, send)
 
     async def _afresh(self, scope: Scope, receive: Receive, send: Send) -> None:
         otel_token = otel_context.attach(otel_context.Context())
