@@ -687,3 +687,33 @@ def test_captured_response_headers_otel_cannot_decode_keep_the_response(
     (span,) = _server_spans(span_exporter)
     assert span.attributes is not None
     assert span.attributes["http.response.header.content_type"] == ("application/pdf",)
+
+
+def test_the_servers_send_failing_on_the_last_body_still_reaches_the_app(
+    tracer_provider: TracerProvider,
+) -> None:
+    """Only OTel's own failure after the message went out is caught: a gone client is not."""
+    seen: list[BaseException] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        try:
+            await send({"type": "http.response.body", "body": b"ok"})
+        except OSError as exc:
+            seen.append(exc)
+            raise
+
+    gone = OSError("client gone")
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            raise gone
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    middleware = ProfilingMiddleware(app, profiler=None, tracer_provider=tracer_provider)
+    with pytest.raises(OSError) as raised:
+        asyncio.run(middleware(_scope(), receive, send))
+    assert raised.value is gone
+    assert seen == [gone]
