@@ -156,6 +156,119 @@ def test_flask_subdomain_route_is_named_under_warnings_as_errors(
     assert spanprof.flask_route_resolver(app)(environ) is None
 
 
+# URL converters are app code (often a database lookup): the framework runs them, once.
+
+
+def _converter_flask_app(tracer_provider: TracerProvider, calls: list[tuple[str, bool]]) -> Flask:
+    """``/users/<user:u>``, whose converter records each call and whether an app context
+    was there, and ``/items/<item:it>``, whose converter needs ``current_app``."""
+    from flask import current_app, has_app_context
+    from werkzeug.routing import BaseConverter
+
+    class UserConverter(BaseConverter):
+        def to_python(self, value: str) -> dict[str, str]:
+            calls.append((value, has_app_context()))
+            return {"id": value}
+
+    class ItemConverter(BaseConverter):
+        def to_python(self, value: str) -> str:
+            items: dict[str, str] = current_app.config["ITEMS"]  # like Item.query.get(value)
+            return items[value]
+
+    app = Flask("spanprof_converters")
+    app.config["ITEMS"] = {"a": "apple"}
+    app.url_map.converters["user"] = UserConverter
+    app.url_map.converters["item"] = ItemConverter
+
+    @app.get("/users/<user:u>")
+    def user(u: dict[str, str]) -> dict[str, Any]:
+        return {**_labels(), "id": u["id"]}
+
+    @app.get("/items/<item:it>")
+    def item(it: str) -> dict[str, Any]:
+        return {**_labels(), "item": it}
+
+    app.wsgi_app = WSGIProfilingMiddleware(  # type: ignore[method-assign]
+        app.wsgi_app, profiler=None, tracer_provider=tracer_provider, environ={}
+    )
+    return app
+
+
+def test_flask_converters_run_once_per_request_and_by_flask(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """Naming the route runs no converter: Flask's own match is the only call."""
+    calls: list[tuple[str, bool]] = []
+    app = _converter_flask_app(tracer_provider, calls)
+    with app.test_client().get("/users/42") as response:
+        body = response.get_json()
+    assert calls == [("42", True)]
+    assert body == {"span_name": "GET /users/<user:u>", "id": "42"}
+    (span,) = server_spans(span_exporter)
+    assert span.name == "GET /users/<user:u>"
+
+
+def test_flask_converter_needing_the_app_context_names_its_route(
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+    fresh_log_once: None,
+) -> None:
+    """A converter using ``current_app`` (or a DB session): named, no resolver warning."""
+    app = _converter_flask_app(tracer_provider, [])
+    with caplog.at_level("WARNING", logger="spanprof"), app.test_client() as http:
+        with http.get("/items/a") as response:
+            body = response.get_json()
+        with http.get("/items/a") as response:
+            assert response.status_code == 200
+    assert body == {"span_name": "GET /items/<item:it>", "item": "apple"}
+    assert [s.name for s in server_spans(span_exporter)] == ["GET /items/<item:it>"] * 2
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("spanprof")] == []
+
+
+def test_flask_rules_added_after_the_resolver_was_built_are_matched() -> None:
+    """Rules added once the resolver matched requests (imports that register blueprints
+    after the middleware was built, before Flask's first request) are matched."""
+    app = Flask("spanprof_late_rules")
+    resolve = spanprof.flask_route_resolver(app)
+    later = EnvironBuilder(path="/later/1").get_environ()
+    assert resolve(later) is None
+    app.add_url_rule("/later/<int:n>", "later", _labels)
+    assert resolve(later) == "/later/<int:n>"
+    app.url_map.add(app.url_rule_class("/last/<path:p>", endpoint="last"))
+    assert resolve(EnvironBuilder(path="/last/a/b").get_environ()) == "/last/<path:p>"
+    app.url_map.add(app.url_rule_class("/also/<int:n>", endpoint="later"))  # a known endpoint
+    assert resolve(EnvironBuilder(path="/also/2").get_environ()) == "/also/<int:n>"
+
+
+def test_flask_builtin_converters_still_decide_the_match(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """werkzeug's own converters (pure werkzeug code) still reject and redirect as Flask does:
+    ``<int(min=1)>`` answers 404 for 0, and a value equal to another rule's default
+    redirects there; a user converter's value is matched by its regex only."""
+    app = _converter_flask_app(tracer_provider, [])
+    app.add_url_rule("/pages/<int(min=1):n>", "pages", lambda n: _labels())
+
+    def listing(page: int) -> dict[str, Any]:
+        return _labels()
+
+    app.add_url_rule("/list/", "listing", listing, defaults={"page": 1})
+    app.add_url_rule("/list/<int:page>", "listing", listing)
+    http = app.test_client()
+    statuses = []
+    for path in ("/pages/0", "/pages/2", "/list/1", "/list/2"):
+        with http.get(path) as response:
+            statuses.append(response.status_code)
+    assert statuses == [404, 200, 308, 200]
+    assert [s.name for s in server_spans(span_exporter)] == [
+        "GET <unmatched>",
+        "GET /pages/<int(min=1):n>",
+        "GET <unmatched>",
+        "GET /list/<int:page>",
+    ]
+
+
 # FastAPI's "bigger applications" layout: routers in their own modules, included by the app.
 
 

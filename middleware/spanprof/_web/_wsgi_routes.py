@@ -5,7 +5,9 @@ the middleware matches the request itself, the way the framework is about to, an
 ``GET /items/<int:item_id>`` from its first sample on:
 
 - Flask: the app's ``url_map``, bound as ``Flask.create_url_adapter`` binds it; the template is
-  the matching rule's ``rule``;
+  the matching rule's ``rule``. The app's own URL converters never run here (they are app
+  code, often a database lookup that needs Flask's app context): the framework runs them,
+  once;
 - Django: the ``ROOT_URLCONF`` resolver; the template is the ``ResolverMatch.route`` (Django
   writes routes relative to the root: spanprof adds the leading ``/``);
 - anything else: a ``route_resolver`` callable, else ``<unmatched>``.
@@ -37,16 +39,33 @@ def flask_route_resolver(app: Any) -> WSGIRouteResolver:
     """Resolve requests against a Flask app's URL map, as Flask will route them.
 
     A request whose path matches a rule for other methods only (a 405) is named after that
-    rule; redirects (strict slashes) and 404s have no template.
+    rule; redirects (strict slashes, defaults, ``redirect_to``) and 404s have no template.
+
+    The match runs no app code: it runs against a shadow of the app's map (see
+    ``_shadow_map``) whose app-defined converters only match their regex. werkzeug picks the
+    rule by regex and converts the picked rule's values afterwards, so the template is the
+    one Flask picks, except where an app-defined converter's ``to_python`` decides:
+
+    - it rejects a value (raises ``ValidationError``): Flask answers 404, spanprof names the
+      request after the rule;
+    - another rule of the endpoint has ``defaults`` (``redirect_defaults``): werkzeug
+      redirects when the converted value equals the default; spanprof compares the string
+      as captured, so it names a redirect, or misses one, where converting changes the value.
 
     Arguments:
         app: the ``flask.Flask`` application.
     """
     from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
-    url_map = app.url_map
+    # (the map, its rule signal, its shadow): replaced whole, so a thread never pairs one
+    # map's signal with another's shadow. Two threads may both rebuild after a change; each
+    # shadow is complete, the last one stays. Built on the first request, when set-up code
+    # has added its rules and settings.
+    built: tuple[Any, int, Any] | None = None
 
     def resolve(environ: WSGIEnvironment) -> str | None:
+        nonlocal built
+        url_map = app.url_map
         # Flask.create_url_adapter, minus its trusted-hosts check (Flask raises that itself).
         server_name = app.config.get("SERVER_NAME")
         subdomain = None
@@ -59,7 +78,17 @@ def flask_route_resolver(app: Any) -> WSGIRouteResolver:
             # SERVER_NAME; Flask's own binding already warns for this request, and under
             # ``-W error`` a second warning would fail the resolution. Work it out the same way.
             subdomain = _subdomain(environ, server_name)
-        adapter = url_map.bind_to_environ(environ, server_name=server_name, subdomain=subdomain)
+        current = built
+        try:  # inline, not a helper: every request pays for this check
+            count, remapped = len(url_map._rules_by_endpoint), url_map._remap
+        except (AttributeError, TypeError):  # werkzeug changed its internals
+            count, remapped = _rule_count(url_map), False
+        # Rules added since the shadow was built (see _rule_count): ``Map.add`` sets ``_remap``
+        # until the map is next sorted (Flask's own match, right after this, or the
+        # rebuild's ``iter_rules``), and a new endpoint changes the count.
+        if current is None or current[0] is not url_map or current[1] != count or remapped:
+            current = built = (url_map, count, _shadow_map(url_map))
+        adapter = current[2].bind_to_environ(environ, server_name=server_name, subdomain=subdomain)
         try:
             rule, _ = adapter.match(return_rule=True)
         except MethodNotAllowed as exc:
@@ -75,6 +104,88 @@ def flask_route_resolver(app: Any) -> WSGIRouteResolver:
         return template if isinstance(template, str) else None
 
     return resolve
+
+
+def _rule_count(url_map: Any) -> int:
+    """The resolver's change signal where werkzeug keeps no ``_rules_by_endpoint``: O(n).
+
+    The resolver checks on every request that the shadow map is current, in O(1): werkzeug
+    maps only grow (``Map.add``; there is no removal) and keep their rules by endpoint, so a
+    new endpoint changes the count of endpoints, and a rule for an existing endpoint sets
+    ``_remap`` until the map is next sorted. Only a rule added for a known endpoint and
+    sorted in by app code (``url_for``, ``iter_rules``) before the next request goes unseen,
+    until the next new endpoint: Flask refuses ``add_url_rule`` once it served a request.
+    """
+    return sum(1 for _ in url_map.iter_rules())
+
+
+def _shadow_map(url_map: Any) -> Any:
+    """A werkzeug ``Map`` that matches as ``url_map`` does, without running app code.
+
+    Each rule is copied from its public attributes (as bound: strict and merge slashes,
+    subdomain already settled) into a ``Rule`` whose converters are the original rule's:
+    werkzeug's own converter objects as they are (pure werkzeug code, so ``<int(min=1)>``
+    and default redirects behave exactly), app-defined ones replaced by a plain converter
+    with the same regex, weight and ``part_isolating``, whose ``to_python`` returns the
+    string. Converter classes are not instantiated again (their ``__init__`` is app code
+    too). ``redirect_to`` becomes a constant: the request still redirects (no template)
+    without calling the app's redirect callable.
+    """
+    from werkzeug.routing import BaseConverter, Map, Rule
+    from werkzeug.routing.converters import DEFAULT_CONVERTERS
+
+    werkzeug_converters = {*DEFAULT_CONVERTERS.values(), BaseConverter}
+
+    class _RegexOnly(BaseConverter):
+        def __init__(self, map: Map, source: BaseConverter) -> None:
+            super().__init__(map)
+            self.regex = source.regex
+            self.weight = source.weight
+            self.part_isolating = source.part_isolating
+
+    class _ShadowRule(Rule):
+        source: Rule
+
+        def get_converter(
+            self,
+            variable_name: str,
+            converter_name: str,
+            args: tuple[Any, ...],
+            kwargs: Any,
+        ) -> BaseConverter:
+            original: BaseConverter = self.source._converters[variable_name]
+            if type(original) in werkzeug_converters:
+                return original
+            assert self.map is not None  # get_converter runs while the rule is bound
+            return _RegexOnly(self.map, original)
+
+    shadow = Map(
+        default_subdomain=url_map.default_subdomain,
+        strict_slashes=url_map.strict_slashes,
+        merge_slashes=url_map.merge_slashes,
+        redirect_defaults=url_map.redirect_defaults,
+        sort_parameters=url_map.sort_parameters,
+        sort_key=url_map.sort_key,
+        host_matching=url_map.host_matching,
+    )
+    for rule in list(url_map.iter_rules()):
+        copy = _ShadowRule(
+            rule.rule,
+            defaults=dict(rule.defaults) if rule.defaults else None,
+            subdomain=rule.subdomain,
+            methods=rule.methods,
+            build_only=rule.build_only,
+            endpoint=rule.endpoint,
+            strict_slashes=rule.strict_slashes,
+            merge_slashes=rule.merge_slashes,
+            redirect_to=None if rule.redirect_to is None else "/",
+            alias=rule.alias,
+            host=rule.host,
+            websocket=rule.websocket,
+        )
+        copy.source = rule
+        shadow.add(copy)
+    return shadow
 
 
 def _subdomain(environ: WSGIEnvironment, server_name: str) -> str:
