@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import types
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -267,6 +268,84 @@ def test_flask_builtin_converters_still_decide_the_match(
         "GET <unmatched>",
         "GET /list/<int:page>",
     ]
+
+
+class _RecordingConverter:
+    """A Django converter that, like a database lookup, works only inside a request."""
+
+    regex = "[0-9]+"
+    in_request = False
+    calls: ClassVar[list[bool]] = []
+
+    def to_python(self, value: str) -> int:
+        type(self).calls.append(type(self).in_request)
+        if not type(self).in_request:
+            raise RuntimeError("no database connection outside a request")
+        return int(value)
+
+    def to_url(self, value: int) -> str:
+        return str(value)
+
+
+def test_django_converters_run_once_per_request_and_by_django(
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+    fresh_log_once: None,
+) -> None:
+    """Naming a Django request runs no ``register_converter`` converter: Django's is the
+    only call, inside the request, and the route is named with no resolver warning."""
+    pytest.importorskip("django")
+    from django.core.handlers.wsgi import WSGIHandler
+    from django.core.signals import request_finished, request_started
+    from django.http import HttpRequest, JsonResponse
+    from django.test.utils import override_settings
+    from django.urls import include, path, register_converter
+    from django.urls.converters import get_converters
+
+    from .e2e import django_project
+
+    django_project.configure()
+    if "spanprof_acct" not in get_converters():
+        register_converter(_RecordingConverter, "spanprof_acct")
+
+    def view(request: HttpRequest, **kwargs: Any) -> JsonResponse:
+        return JsonResponse(_labels())
+
+    urlconf = types.ModuleType("spanprof_converter_urls")
+    accounts = [path("<spanprof_acct:a>/", view)]
+    urlconf.urlpatterns = [  # type: ignore[attr-defined]
+        path("orgs/<int:org>/acct/", include(accounts)),
+        path("acct/<spanprof_acct:a>/", view),
+    ]
+
+    def started(**kwargs: Any) -> None:
+        _RecordingConverter.in_request = True
+
+    def finished(**kwargs: Any) -> None:
+        _RecordingConverter.in_request = False
+
+    _RecordingConverter.calls.clear()
+    request_started.connect(started)
+    request_finished.connect(finished)
+    app = WSGIProfilingMiddleware(
+        WSGIHandler(), profiler=None, tracer_provider=tracer_provider, environ={}
+    )
+    try:
+        with (
+            override_settings(ROOT_URLCONF=urlconf),
+            caplog.at_level("WARNING", logger="spanprof"),
+            httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://t") as http,
+        ):
+            bodies = [http.get(p).json() for p in ("/acct/7/", "/orgs/3/acct/8/")]
+    finally:
+        request_started.disconnect(started)
+        request_finished.disconnect(finished)
+    names = ["GET /acct/<spanprof_acct:a>/", "GET /orgs/<int:org>/acct/<spanprof_acct:a>/"]
+    assert _RecordingConverter.calls == [True, True]
+    assert [s.name for s in server_spans(span_exporter)] == names
+    assert bodies == [{"span_name": name} for name in names]
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("spanprof")] == []
 
 
 # FastAPI's "bigger applications" layout: routers in their own modules, included by the app.

@@ -8,8 +8,9 @@ the middleware matches the request itself, the way the framework is about to, an
   the matching rule's ``rule``. The app's own URL converters never run here (they are app
   code, often a database lookup that needs Flask's app context): the framework runs them,
   once;
-- Django: the ``ROOT_URLCONF`` resolver; the template is the ``ResolverMatch.route`` (Django
-  writes routes relative to the root: spanprof adds the leading ``/``);
+- Django: the ``ROOT_URLCONF`` resolver's patterns; the template is the route Django's
+  ``ResolverMatch.route`` would be (Django writes routes relative to the root: spanprof adds
+  the leading ``/``). Converters never run here: Django runs them, once;
 - anything else: a ``route_resolver`` callable, else ``<unmatched>``.
 
 Raw paths never become templates.
@@ -210,21 +211,70 @@ def django_route_resolver(urlconf: str | None = None) -> WSGIRouteResolver:
     A ``request.urlconf`` set by a middleware is not known before the request runs; such
     requests are named after the root URLconf's match.
 
+    The match runs no converter (``register_converter`` converters are app code, often a
+    database lookup): ``path()`` patterns are matched by their regex, as Django matches them
+    before converting. Django's own converters never reject a value their regex matched, so
+    the route is the one Django resolves, except for an app converter whose ``to_python``
+    rejects a value (raises ``ValueError``): Django goes on to the next pattern (often none:
+    a 404), spanprof names the request after the pattern whose regex matched.
+
     Arguments:
         urlconf: the URLconf module to resolve against.
     """
     from django.core.handlers.wsgi import get_path_info
-    from django.urls import Resolver404, get_resolver
+    from django.urls import Resolver404, URLPattern, URLResolver, get_resolver
+    from django.urls.resolvers import RoutePattern
 
-    def resolve(environ: WSGIEnvironment) -> str | None:
+    def route_in(resolver: Any, path: str) -> str | None:
+        """``URLResolver.resolve``'s route for ``path``, without converting."""
+        rest = match(resolver.pattern, path)
+        if rest is None:
+            return None
+        for pattern in resolver.url_patterns:
+            kind = type(pattern)
+            if kind is URLPattern:
+                # URLPattern.resolve: its route is its pattern's text.
+                if match(pattern.pattern, rest) is not None:
+                    return str(pattern.pattern)
+            elif kind is URLResolver:
+                sub = route_in(pattern, rest)
+                if sub is not None:
+                    return join(str(pattern.pattern), sub)
+            else:
+                # A subclass may resolve its own way: ask it (it converts, as before).
+                sub = foreign_route(pattern, rest)
+                if sub is not None:
+                    own = "" if isinstance(pattern, URLPattern) else str(pattern.pattern)
+                    return join(own, sub)
+        return None
+
+    def join(route: str, sub: str) -> str:
+        # URLResolver._join_route.
+        return route + sub.removeprefix("^") if route else sub
+
+    def match(pattern: Any, path: str) -> str | None:
+        """The rest of ``path`` after ``pattern``, or ``None``."""
+        if type(pattern) is RoutePattern and pattern.converters:
+            # RoutePattern.match converts every captured value; the regex alone decides.
+            found = pattern.regex.search(path)
+            return None if found is None else path[found.end() :]
+        # Regex and locale-prefix patterns capture strings only: their own match converts
+        # nothing (and a route without converters matches by string comparison). A pattern
+        # class of the app's own matches its own way, as before.
+        result = pattern.match(path)
+        return None if result is None else str(result[0])
+
+    def foreign_route(pattern: Any, path: str) -> str | None:
         try:
-            match = get_resolver(urlconf).resolve(get_path_info(environ))
+            found = pattern.resolve(path)
         except Resolver404:
             return None
-        route = getattr(match, "route", None)
-        if not isinstance(route, str):
-            return None
-        return "/" + route.removeprefix("^")
+        route = getattr(found, "route", None) if found else None
+        return route if isinstance(route, str) else None
+
+    def resolve(environ: WSGIEnvironment) -> str | None:
+        route = route_in(get_resolver(urlconf), get_path_info(environ))
+        return None if route is None else "/" + route.removeprefix("^")
 
     return resolve
 
