@@ -26,6 +26,8 @@ from werkzeug.test import EnvironBuilder
 import spanprof
 from spanprof import ProfilingMiddleware, WSGIProfilingMiddleware
 
+from .conftest import require
+
 ASGIApp = Callable[..., Any]
 
 # Features of newer FastAPI releases (tools/route_matrix.py also runs this file on the oldest).
@@ -295,7 +297,7 @@ def test_django_converters_run_once_per_request_and_by_django(
 ) -> None:
     """Naming a Django request runs no ``register_converter`` converter: Django's is the
     only call, inside the request, and the route is named with no resolver warning."""
-    pytest.importorskip("django")
+    require(importlib.util.find_spec("django") is not None, "django is not installed")
     from django.core.handlers.wsgi import WSGIHandler
     from django.core.signals import request_finished, request_started
     from django.http import HttpRequest, JsonResponse

@@ -30,6 +30,7 @@ TEST_DEPS = [
     "pytest-timeout>=2.3",
     "httpx>=0.27",
     "flask>=3.0",
+    "django>=4.2",
     "asgiref>=3.7",
 ]
 AXES: dict[str, list[str]] = {
