@@ -408,6 +408,27 @@ def test_file_wrapper_is_handed_over_and_ends_at_close(
     assert len(server_spans(span_exporter)) == 1
 
 
+def test_a_servers_already_handled_sentinel_is_handed_back_as_is(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """A websocket app under gunicorn's async workers returns ALREADY_HANDLED (it answered on
+    the socket itself): the worker gets its own sentinel back, not a body to iterate, and the
+    request's span ends."""
+    from gunicorn.workers.base_async import ALREADY_HANDLED
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        return ALREADY_HANDLED  # type: ignore[no-any-return]
+
+    middleware = WSGIProfilingMiddleware(
+        app, profiler=None, tracer_provider=tracer_provider, environ={}
+    )
+    environ: dict[str, Any] = {"QUERY_STRING": ""}
+    setup_testing_defaults(environ)
+    result = middleware(environ, lambda status, headers, exc_info=None: lambda data: None)
+    assert result is ALREADY_HANDLED
+    assert len(server_spans(span_exporter)) == 1
+
+
 def test_exc_info_by_keyword_reaches_the_server(
     tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
 ) -> None:

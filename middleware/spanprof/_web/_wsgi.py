@@ -355,6 +355,12 @@ class _Request:
         # __len__ at all where the app's body has none (waitress tests hasattr, then calls it).
         if hasattr(type(result), "__len__"):
             return _SizedBody(result, self)
+        if not hasattr(type(result), "__iter__"):
+            # Not a body but a server's sentinel: the app answered on the socket itself (a
+            # websocket under gunicorn's gevent or eventlet worker returns ALREADY_HANDLED), and
+            # the server compares what it gets with its sentinel by identity.
+            self.finish()
+            return result
         return _Body(result, self)
 
     def _hand_over_file(self, result: Iterable[bytes]) -> Iterable[bytes]:
