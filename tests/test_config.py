@@ -344,6 +344,24 @@ def test_a_malformed_bracketed_host_is_refused_naming_the_setting(address: str) 
         ExactBackend(server_address=address, application_name="a")
 
 
+@pytest.mark.parametrize(
+    ("address", "what"),
+    [
+        ("http://ho%73t:4040", "percent-encoded"),
+        ("http://u:p@ho%2Est", "percent-encoded"),
+        ("http://pyroscope:4040#frag", "#fragment"),
+        ("http://pyroscope:4040/#", "#fragment"),
+        ("http://pyroscope:4040?tenant=a", "?query"),
+    ],
+)
+def test_an_address_the_uploaders_cannot_extend_is_refused(address: str, what: str) -> None:
+    """A percent-encoded host never resolves; a fragment or query would swallow the paths the
+    uploaders append (every upload would go to the server's base URL, or nowhere)."""
+    with pytest.raises(ValueError, match="PYROSCOPE_SERVER_ADDRESS") as info:
+        PyroscopeSettings.from_env({"PYROSCOPE_SERVER_ADDRESS": address})
+    assert what in str(info.value)
+
+
 def test_bracketed_ipv6_hosts_are_accepted() -> None:
     """An IPv6 literal, with or without a zone, is a host like any other."""
     for address in ("http://[::1]:4040", "http://[fe80::1%25eth0]:4040", "https://u:p@[::1]"):

@@ -131,6 +131,12 @@ def url_problem(url: str) -> str | None:
         return "non-ASCII characters after the host must be percent-encoded"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return "expected an http:// or https:// URL with a host"
+    if "%" in hostport.rpartition("]")[2].partition(":")[0]:
+        # Outside an IPv6 literal's zone (`[fe80::1%25eth0]`), resolvers take `%` literally.
+        return "a host name must not be percent-encoded"
+    if url.endswith("#") or parts.fragment:
+        # A fragment never reaches the server; what comes after it would not either.
+        return "the URL must not have a #fragment"
     try:
         port = parts.port
     except ValueError:
@@ -171,7 +177,14 @@ def parse_server_address(name: str, value: str) -> str:
     later; credentials in it are checked as basic auth would need them. Error messages show the
     URL with its user info redacted.
     """
-    return check_url(name, value).rstrip("/")
+    text = check_url(name, value)
+    if "?" in text:
+        # The uploaders append their own paths (`/ingest`, `/push.v1.PusherService/Push`) to it.
+        raise ValueError(
+            f"{name}={redact_url(text)!r}: the server address must not have a ?query; "
+            "give the server's base URL"
+        )
+    return text.rstrip("/")
 
 
 def split_credentials(url: str) -> tuple[str, str, str]:
