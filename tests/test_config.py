@@ -416,6 +416,22 @@ def test_a_duplicate_label_or_a_wrong_separator_is_refused(labels: str, message:
     assert settings.tags == {"env": "prod;eu", "region": "eu"}
 
 
+def test_a_tag_value_that_cannot_be_text_is_refused_at_construction() -> None:
+    """tags= is configuration: a value whose str() raises is an error naming it, not the
+    placeholder a request's profile_labels gets."""
+
+    class Lazy:
+        def __str__(self) -> str:
+            raise ConnectionError("database gone")
+
+    with pytest.raises(ValueError, match=r"tags: the value of 'team'.*ConnectionError"):
+        PyroscopeSettings(
+            server_address="http://p:4040",
+            application_name="a",
+            tags={"team": Lazy()},  # type: ignore[dict-item]
+        )
+
+
 # --- extra_options: what pyroscope.configure would refuse at start, refused at construction -----
 
 

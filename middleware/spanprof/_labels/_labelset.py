@@ -205,5 +205,14 @@ def parse_labels(name: str, value: str | Mapping[str, str]) -> dict[str, str]:
             seen.add(key)
             pairs.append((key, val))
     else:
-        pairs = list(value.items())
+        pairs = []
+        for key, raw in value.items():
+            try:
+                pairs.append((key, raw if isinstance(raw, str) else str(raw)))
+            except Exception as exc:
+                # Configuration, not a request: say so now (sanitize_value would hide it).
+                raise ValueError(
+                    f"{name}: the value of {key!r} cannot be turned into text: str() raised "
+                    f"{type(exc).__name__}"
+                ) from exc
     return {validate_key(k, setting=name): sanitize_value(v) for k, v in pairs}
