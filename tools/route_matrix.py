@@ -8,9 +8,12 @@ pins against ``pyproject.toml``.
 
 - ``oldest``: ``starlette==0.40.*`` (the floor in ``pyproject.toml``) and the oldest FastAPI
   that accepts it (0.115.2: the ``fastapi>=0.110`` floor of the dev extras pins
-  ``starlette<0.37``, so it cannot be installed next to ``starlette>=0.40``);
+  ``starlette<0.37``, so it cannot be installed next to ``starlette>=0.40``); Flask and
+  werkzeug 2.3 (the WSGI extra's floor), whose URL matcher spanprof's shadow map must follow;
 - ``included``: FastAPI 0.137.0, the first that keeps ``include_router()`` as one route;
-- ``newest``: the newest releases of both.
+- ``newest``: the newest releases of all of them.
+
+Django (whose URL resolver spanprof walks) is installed on every axis.
 
 Usage: ``python tools/route_matrix.py [axis ...]`` (default: every axis).
 """
@@ -29,14 +32,15 @@ TEST_DEPS = [
     "pytest-asyncio>=0.24",
     "pytest-timeout>=2.3",
     "httpx>=0.27",
-    "flask>=3.0",
     "django>=4.2",
     "asgiref>=3.7",
 ]
+# Flask's oldest (2.3, pyproject's floor for the WSGI extra) matches with werkzeug's state
+# machine of that release, which spanprof's shadow URL map must agree with.
 AXES: dict[str, list[str]] = {
-    "oldest": ["starlette==0.40.*", "fastapi==0.115.2"],
-    "included": ["fastapi==0.137.0"],
-    "newest": ["starlette", "fastapi", "--upgrade"],
+    "oldest": ["starlette==0.40.*", "fastapi==0.115.2", "flask==2.3.*", "werkzeug==2.3.*"],
+    "included": ["fastapi==0.137.0", "flask>=3.0"],
+    "newest": ["starlette", "fastapi", "flask", "werkzeug", "--upgrade"],
 }
 
 
@@ -46,23 +50,30 @@ def run(cmd: list[str]) -> None:
 
 
 def prepare(axis: str) -> Path:
-    """The axis's virtualenv, built or rebuilt when ``pyproject.toml`` is newer than it."""
+    """The axis's virtualenv, built or rebuilt when ``pyproject.toml`` is newer than it or the
+    axis installs something else (the stamp holds what it installed)."""
     venv = ROOT / f".venv-routes-{axis}"
     python = venv / "bin" / "python"
     stamp = venv / ".installed"
-    if stamp.exists() and stamp.stat().st_mtime >= (ROOT / "pyproject.toml").stat().st_mtime:
+    wanted = " ".join([*TEST_DEPS, *AXES[axis]])
+    if (
+        stamp.exists()
+        and stamp.stat().st_mtime >= (ROOT / "pyproject.toml").stat().st_mtime
+        and stamp.read_text() == wanted
+    ):
         return python
     run([sys.executable, "-m", "venv", "--clear", str(venv)])
     pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     run([*pip, "-e", ".", *TEST_DEPS, *AXES[axis]])
-    stamp.touch()
+    stamp.write_text(wanted)
     return python
 
 
 def versions(python: Path) -> str:
+    names = ("starlette", "fastapi", "flask", "werkzeug", "django")
     script = (
         "import importlib.metadata as m;"
-        "print(', '.join(f'{p} {m.version(p)}' for p in ('starlette', 'fastapi', 'flask')))"
+        f"print(', '.join(f'{{p}} {{m.version(p)}}' for p in {names!r}))"
     )
     result = subprocess.run([str(python), "-c", script], capture_output=True, text=True)
     return result.stdout.strip()
