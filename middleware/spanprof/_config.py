@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import string
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 __all__ = [
     "check_url",
+    "header_name_problem",
     "parse_bool",
     "parse_header_value",
     "parse_int",
@@ -200,6 +202,22 @@ def split_credentials(url: str) -> tuple[str, str, str]:
 # What http.client refuses in a header value (a line break not followed by folding whitespace),
 # and what no header should carry anyway: every other control character.
 _BAD_HEADER_CHAR = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+# RFC 9110's token: http.client refuses anything else in a header name, and pyroscope-io sends it
+# as it is (the server then refuses every upload), both in threads that fail much later.
+_TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~" + string.digits + string.ascii_letters)
+
+
+def header_name_problem(key: str) -> str | None:
+    """Why ``key`` cannot be an HTTP header name, or ``None`` (it never quotes a value)."""
+    bad = next((ch for ch in key if ch not in _TOKEN_CHARS), None)
+    if not key or bad is not None:
+        found = f"contains {bad!r}" if bad is not None else "is empty"
+        return (
+            f"a header name {found}: it must be an HTTP token (letters, digits and !#$%&'*+-.^_`|~)"
+        )
+    return None
 
 
 def parse_header_value(name: str, value: str) -> str:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import inspect
-import re
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._config import parse_header_value
+from .._config import header_name_problem, parse_header_value
 from .._labels._labelset import LabelSet
 from .._logging import log_once, logger
 from ._exporters._reachability import ReachabilityWatch
@@ -39,10 +38,6 @@ _SET_BY_SPANPROF: dict[str, str] = {
     "app_name": "application_name",
 }
 
-# An HTTP header name is an RFC 9110 token; the agent sends anything else as it is, and the
-# server refuses every upload, in a thread that logs nothing.
-_HEADER_NAME_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
-
 
 def _check_extra_options(options: Mapping[str, Any], agent: Any | None) -> None:
     """Refuse, now, the extra options ``pyroscope.configure`` would refuse at start.
@@ -67,11 +62,9 @@ def _check_extra_options(options: Mapping[str, Any], agent: Any | None) -> None:
             )
         for name, value in headers.items():
             # The value is never shown: headers often carry tokens.
-            if not isinstance(name, str) or not _HEADER_NAME_RE.match(name):
-                raise ValueError(
-                    f"extra_options['http_headers']: {name!r} is not an HTTP header name "
-                    "(letters, digits and !#$%&'*+-.^_`|~ only)"
-                )
+            problem = header_name_problem(name) if isinstance(name, str) else "not a string"
+            if problem is not None:
+                raise ValueError(f"extra_options['http_headers']: {name!r}: {problem}")
             if not isinstance(value, str):
                 raise TypeError(
                     f"extra_options['http_headers'][{name!r}]: expected a string value, "

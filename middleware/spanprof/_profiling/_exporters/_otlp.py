@@ -24,7 +24,6 @@ import email.utils
 import gzip
 import os
 import ssl
-import string
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
@@ -33,6 +32,7 @@ from urllib.parse import unquote, urlsplit
 
 from ..._config import (
     check_url,
+    header_name_problem,
     parse_bool,
     parse_header_value,
     parse_int,
@@ -97,20 +97,6 @@ def _check_target(name: str, value: str) -> str:
     return value
 
 
-# RFC 9110's token: http.client refuses anything else in a header name, in the export thread.
-_TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~" + string.digits + string.ascii_letters)
-
-
-def _header_name_problem(key: str) -> str | None:
-    bad = next((ch for ch in key if ch not in _TOKEN_CHARS), None)
-    if not key or bad is not None:
-        found = f"contains {bad!r}" if bad is not None else "is empty"
-        return (
-            f"a header name {found}: it must be an HTTP token (letters, digits and !#$%&'*+-.^_`|~)"
-        )
-    return None
-
-
 def parse_headers(name: str, value: str) -> tuple[tuple[str, str], ...]:
     """``key=value,key2=value2`` with URL-encoded values, as OTel's exporters read them.
 
@@ -126,7 +112,7 @@ def parse_headers(name: str, value: str) -> tuple[tuple[str, str], ...]:
             raise ValueError(
                 f"{name}: item {index} has no '='; expected key=value pairs separated by commas"
             )
-        problem = _header_name_problem(key)
+        problem = header_name_problem(key)
         if problem is not None:
             raise ValueError(f"{name}: item {index}: {problem}")
         val = parse_header_value(f"{name}: header {key!r}", unquote(val).strip())
@@ -182,7 +168,7 @@ class OtlpSettings:
         else:
             check_url("endpoint", self.endpoint)
         for key, value in self.headers:
-            problem = _header_name_problem(key)
+            problem = header_name_problem(key)
             if problem is not None:
                 raise ValueError(f"headers: {problem}")
             # What http.client refuses would fail every export, in the export thread.
