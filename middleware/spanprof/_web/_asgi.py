@@ -316,7 +316,6 @@ def _log_otel_failure_before_app(sanitized: Scope | None) -> None:
 
 
 def _abandon(request: _Request, runtime: ProfilerRuntime) -> None:
-    # A failed attempt may have labelled the request with a span OTel has since ended.
     _leave(request)
     if request.span_id is not None:
         end_span(runtime, request.span, request.span_id, None)
@@ -512,26 +511,35 @@ class ProfilingMiddleware:
                     send = _timed_send(request, send, durations, runtime, guarded=False)
                 await self.app(scope, receive, send)
             else:
-                try:
-                    await self._traced(scope, receive, send)
-                    return
-                except Exception as exc:
-                    if request.app_called:
-                        # Never serve a request twice. (Under OTel's
-                        # suppress_http_instrumentation() the app runs without a span.)
-                        own = _settle(request, exc)
-                        if own is exc:
-                            raise
-                        retry = None
-                    else:
+                # The request as sent, then (if OTel failed before reaching the app) once more
+                # with what OTel cannot decode hidden from it, then the app untraced.
+                attempt: Scope | None = scope
+                while attempt is not None:
+                    try:
+                        await self._traced(attempt, receive, send)
+                        return
+                    except Exception as exc:
                         own = None
-                        retry = _sanitized(scope)
-                        _log_otel_failure_before_app(retry)
-                # Raised outside the except block: the app's exception keeps its own context.
-                if own is not None:
-                    raise own
-                if not request.app_called:
-                    await self._recover(request, retry, receive, send)
+                        if request.app_called:
+                            # Never serve a request twice. (Under OTel's
+                            # suppress_http_instrumentation() the app runs without a span.)
+                            own = _settle(request, exc)
+                            if own is exc:
+                                raise
+                    # Raised outside the except block: the app's exception keeps its own context.
+                    if own is not None:
+                        raise own
+                    if request.app_called:
+                        return
+                    retry = _sanitized(scope) if attempt is scope else None
+                    _log_otel_failure_before_app(retry)
+                    # A failed attempt may have labelled the request with a span OTel ended.
+                    _abandon(request, runtime)
+                    attempt = retry
+                request.app_called = True
+                if timed:
+                    send = _timed_send(request, send, durations, runtime, guarded=False)
+                await self.app(scope, receive, send)
         except BaseException as exc:
             failure = exc
             request.app_failure = None
@@ -557,34 +565,6 @@ class ProfilingMiddleware:
                     breached=request.breached,
                     cpu_seconds=None if request.usage is None else request.usage.cpu_ns / 1e9,
                 )
-
-    async def _recover(
-        self, request: _Request, sanitized: Scope | None, receive: Receive, send: Send
-    ) -> None:
-        """OTel failed before the app ran: trace ``sanitized``, or serve the request untraced."""
-        _abandon(request, self._runtime)
-        if sanitized is not None:
-            try:
-                await self._traced(sanitized, receive, send)
-                return
-            except Exception as exc:
-                if request.app_called:
-                    own = _settle(request, exc)
-                    if own is exc:
-                        raise
-                else:
-                    own = None
-                    _log_otel_failure_before_app(None)
-            if own is not None:
-                raise own
-            if request.app_called:
-                return
-            _abandon(request, self._runtime)
-        request.app_called = True
-        scope = request.scope
-        if scope["type"] == "http":
-            send = _timed_send(request, send, self._durations, self._runtime, guarded=False)
-        await self.app(scope, receive, send)
 
     async def _afresh(self, scope: Scope, receive: Receive, send: Send) -> None:
         otel_token = otel_context.attach(otel_context.Context())
