@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, cast
 
@@ -126,6 +126,11 @@ def _percent_encoded(match: re.Match[bytes]) -> bytes:
     return b"%%%02X" % match[0][0]
 
 
+def _decodable(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The headers OTel's ``unicode_escape`` decoding takes: those without a backslash."""
+    return [(name, value) for name, value in headers if b"\\" not in name and b"\\" not in value]
+
+
 def _sanitized(scope: Scope) -> Scope | None:
     """A copy of ``scope`` OTel's ASGI middleware can decode, or None if it has nothing to hide.
 
@@ -136,7 +141,7 @@ def _sanitized(scope: Scope) -> Scope | None:
     percent-encoded, as a client should have sent them.
     """
     headers = list(scope.get("headers", ()))
-    kept = [(name, value) for name, value in headers if b"\\" not in name and b"\\" not in value]
+    kept = _decodable(headers)
     query = scope.get("query_string")
     decodable = query
     if isinstance(query, bytes):
@@ -347,11 +352,7 @@ def _guard_response_header_capture(traced: OpenTelemetryMiddleware) -> None:
                 "spanprof: OpenTelemetry cannot decode a response header it was told to "
                 "capture; it is left out of the span, the response is unchanged (logged once)",
             )
-            headers = [
-                (name, value)
-                for name, value in message.get("headers", ())
-                if b"\\" not in name and b"\\" not in value
-            ]
+            headers = _decodable(message.get("headers", ()))
             # Not the headers after all: the span goes without them, the response still out.
             with contextlib.suppress(Exception):
                 original(server_span, {**message, "headers": headers}, status_code, duration_attrs)
