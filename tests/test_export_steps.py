@@ -52,9 +52,12 @@ def test_a_collection_on_another_thread_during_a_step_is_not_the_steps() -> None
     heap = _heap(400_000)
     timer = StepTimer()
     collected = threading.Event()
+    collection_cpu_ns: list[int] = []
 
     def collect() -> None:
+        start = time.thread_time_ns()
         gc.collect()
+        collection_cpu_ns.append(time.thread_time_ns() - start)
         collected.set()
 
     def step() -> None:
@@ -75,7 +78,11 @@ def test_a_collection_on_another_thread_during_a_step_is_not_the_steps() -> None
     del heap
     assert collected.is_set()
     assert timer.gc_ns == 0, vars(timer)
-    assert timer.max_ns < 3_000_000, vars(timer)
+    # Starting and joining a thread costs the step a little CPU, more on a loaded VM whose stolen
+    # time lands on the thread clock; the other thread's collection would cost it all of its own.
+    (collection,) = collection_cpu_ns
+    assert collection > 20_000_000, collection_cpu_ns
+    assert timer.max_ns < collection / 4, (vars(timer), collection)
 
 
 def test_a_failing_step_raises_and_stops_listening_to_the_collector() -> None:
