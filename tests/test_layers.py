@@ -23,6 +23,7 @@ FLOORS: dict[str, int] = {
     "_config": 0,
     "_env": 0,
     "_logging": 0,
+    "_process": 0,
     "_version": 0,
     "_labels": 1,
     "_profiling": 2,

@@ -18,6 +18,7 @@ from .._labels._engine import (
 )
 from .._labels._greenlets import greenlets_in_use, install_greenlet_labels
 from .._logging import log_once, logger
+from .._process import current_pid
 from ._pyroscope import PyroscopeBackend
 from ._samplers._signal import in_main_os_thread
 
@@ -66,11 +67,11 @@ class ProfilerRuntime:
     @property
     def started(self) -> bool:
         """Whether the backend runs in this process."""
-        return self._pid == os.getpid()
+        return self._pid == current_pid()
 
     def ensure_started(self) -> None:
         """Start if this process has not started yet; cheap when it has."""
-        if self.backend is not None and self._pid != os.getpid():
+        if self.backend is not None and self._pid != current_pid():
             self.start()
 
     def prepare(self) -> None:

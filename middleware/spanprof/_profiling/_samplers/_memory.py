@@ -29,6 +29,7 @@ from typing import Any
 
 from ..._labels._labelset import EMPTY, LABELS, LabelSet
 from ..._logging import log_once
+from ..._process import current_pid
 from .._window import MemoryWindow, StackTables
 from ._signal import in_main_os_thread
 
@@ -250,7 +251,7 @@ class MemorySampler:
         Counted by the hook at each sample, so what the span allocated since the last drain is
         in; ``None`` when this sampler does not run in this process.
         """
-        if _alloc is None or self._pid != os.getpid():
+        if _alloc is None or self._pid != current_pid():
             return None
         return round(_alloc.take_span(span_id))
 
