@@ -276,6 +276,8 @@ class HttpRun:
 
     ratios: list[float]
     cpu_ratios: list[float]
+    # The same without memory sampling (SPANPROF_MEMORY=false): the sampler's share apart.
+    nomem_cpu_ratios: list[float]
     cpu_per_response_us: dict[str, list[float]]
     # The profiled server's CPU per response over the whole run: its loop thread, its others.
     loop_thread_us: float
@@ -290,7 +292,7 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
 
     On a shared machine the response count swings with other processes' load (the client runs
     on the same two cores). The server's own CPU per response is steadier: a CPU-bound server's
-    throughput is its inverse. Each round's CPU is read from both servers across the whole round,
+    throughput is its inverse. Each round's CPU is read from every server across the whole round,
     so what a server's threads did while the other was loaded (an upload, a drain) counts too.
     """
     with PushReceiver() as receiver:
@@ -304,6 +306,7 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
                 "PYROSCOPE_UPLOAD_INTERVAL": "1",
             },
         }
+        variants["nomem"] = {**variants["exact"], "SPANPROF_MEMORY": "false"}
         ports = {name: free_port() for name in variants}
         pids: dict[str, int] = {}
         with contextlib.ExitStack() as stack:
@@ -324,10 +327,12 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
             threads_before = _threads_cpu_ns(pids["exact"])
             ratios: list[float] = []
             cpu_ratios: list[float] = []
+            nomem_cpu_ratios: list[float] = []
             counts_total: list[int] = []
             per_response: dict[str, list[float]] = {name: [] for name in variants}
             for index in range(rounds):
-                order = ["off", "exact"] if index % 2 else ["exact", "off"]
+                names = list(variants)
+                order = names[index % len(names) :] + names[: index % len(names)]
                 cpu = {name: _process_cpu_ns(pid) for name, pid in pids.items()}
                 counts = {name: _load(ports[name], seconds) for name in order}
                 for name, pid in pids.items():
@@ -336,6 +341,7 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
                 counts_total.append(counts["exact"])
                 ratios.append(counts["exact"] / counts["off"])
                 cpu_ratios.append(per_response["off"][-1] / per_response["exact"][-1])
+                nomem_cpu_ratios.append(per_response["off"][-1] / per_response["nomem"][-1])
             server_cpu_ms = (_process_cpu_ns(pids["exact"]) - cpu_before) / 1e6
             threads_after = _threads_cpu_ns(pids["exact"])
             stats: dict[str, Any] = httpx.get(stats_url, timeout=10).json()
@@ -352,7 +358,14 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
         for after, before_ns in zip(threads_after, threads_before, strict=True)
     )
     return HttpRun(
-        ratios, cpu_ratios, per_response, loop_us, others_us, spent / server_cpu_ms, stats
+        ratios=ratios,
+        cpu_ratios=cpu_ratios,
+        nomem_cpu_ratios=nomem_cpu_ratios,
+        cpu_per_response_us=per_response,
+        loop_thread_us=loop_us,
+        other_threads_us=others_us,
+        profiler_cpu_share=spent / server_cpu_ms,
+        stats=stats,
     )
 
 
@@ -420,16 +433,17 @@ def run(quick: bool) -> Section:
             ],
             _attribution_rows(outcomes),
         ),
-        "**Throughput over HTTP.** Two uvicorn servers (asyncio) of the same app with the "
+        "**Throughput over HTTP.** uvicorn servers (asyncio) of the same app with the "
         "background load off and `SPANPROF_PROFILER` unset (the default, `auto`, which runs the "
         "exact sampler with memory sampling here): one without a profiler "
         "(`PYROSCOPE_SERVER_ADDRESS` unset) and one with the default profiler (100 Hz, 1 s "
-        "uploads to a `PushReceiver`), both up for the whole run; "
-        f"{http_rounds} rounds alternate which one a raw-socket client loads for "
+        "uploads to a `PushReceiver`), all up for the whole run; "
+        f"{http_rounds} rounds in which a raw-socket client loads each in turn for "
         "1 s (8 keep-alive connections, `GET /health`: a 2-byte `PlainTextResponse` through "
         "`ProfilingMiddleware`). The servers' CPU (all threads, `/proc/PID/task/*/schedstat`) "
-        "is read across each whole round, so what a server's threads do while the other is "
-        "loaded counts too.",
+        "is read across each whole round, so what a server's threads do while another is "
+        "loaded counts too. A third server, the default with `SPANPROF_MEMORY=false`, takes its "
+        "turn in the same rounds (the order rotates).",
         markdown_table(
             ["measure", "value"],
             [
@@ -444,6 +458,10 @@ def run(quick: bool) -> Section:
                 [
                     "throughput ratio by server CPU per response (without / with, per round)",
                     http_cpu.format(3),
+                ],
+                [
+                    "the same with `SPANPROF_MEMORY=false` (a third server, in the same rounds)",
+                    Spread.of(http_run.nomem_cpu_ratios).format(3),
                 ],
                 [
                     "responses served, with / without, per round (the client shares the cores: "
