@@ -176,26 +176,32 @@ def _child(argv: list[str]) -> None:
         return time.thread_time_ns() - cpu, time.perf_counter_ns() - wall
 
     loop = asyncio.new_event_loop()
+
+    def serve_round(name: str) -> tuple[int, int, dict[str, float] | None]:
+        """One round through ``name``'s app: its CPU and wall ns, and the profiler's stats (the
+        profiler runs for the round only)."""
+        if name != "exact":
+            return (*loop.run_until_complete(drive(name, args.size)), None)
+        # Started before the clock (a request would start it on its way in).
+        runtime.start()
+        try:
+            cpu, wall = loop.run_until_complete(drive(name, args.size))
+            return cpu, wall, backend.stats()
+        finally:
+            runtime.stop()
+
     results: dict[str, list[float]] = {"off": [], "exact": [], "off_wall": [], "exact_wall": []}
     stalls: list[dict[str, float]] = []
     try:
         for name in apps:  # warm-up
-            if name == "exact":
-                runtime.start()
-            loop.run_until_complete(drive(name, args.size))
-            if name == "exact":
-                runtime.stop()
+            serve_round(name)
         for index in range(args.rounds):
             order = ["off", "exact"] if index % 2 else ["exact", "off"]
             for name in order:
                 gc.collect()
-                if name == "exact":
-                    # Started before the clock (a request would start it on its way in).
-                    runtime.start()
-                cpu, wall = loop.run_until_complete(drive(name, args.size))
-                if name == "exact":
-                    stalls.append(backend.stats())
-                    runtime.stop()
+                cpu, wall, stats = serve_round(name)
+                if stats is not None:
+                    stalls.append(stats)
                 results[name].append(cpu / args.size / 1000)
                 results[f"{name}_wall"].append(wall / args.size / 1000)
     finally:
@@ -323,26 +329,24 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
                 _load(ports[name], 1.0)  # warm-up
             stats_url = f"http://127.0.0.1:{ports['exact']}/stats"
             before: dict[str, Any] = httpx.get(stats_url, timeout=10).json()
-            cpu_before = _process_cpu_ns(pids["exact"])
             threads_before = _threads_cpu_ns(pids["exact"])
             ratios: list[float] = []
             cpu_ratios: list[float] = []
             nomem_cpu_ratios: list[float] = []
-            counts_total: list[int] = []
+            served = 0
             per_response: dict[str, list[float]] = {name: [] for name in variants}
+            names = list(variants)
             for index in range(rounds):
-                names = list(variants)
                 order = names[index % len(names) :] + names[: index % len(names)]
                 cpu = {name: _process_cpu_ns(pid) for name, pid in pids.items()}
                 counts = {name: _load(ports[name], seconds) for name in order}
                 for name, pid in pids.items():
                     used_ns = _process_cpu_ns(pid) - cpu[name]
                     per_response[name].append(used_ns / counts[name] / 1e3)
-                counts_total.append(counts["exact"])
+                served += counts["exact"]
                 ratios.append(counts["exact"] / counts["off"])
                 cpu_ratios.append(per_response["off"][-1] / per_response["exact"][-1])
                 nomem_cpu_ratios.append(per_response["off"][-1] / per_response["nomem"][-1])
-            server_cpu_ms = (_process_cpu_ns(pids["exact"]) - cpu_before) / 1e6
             threads_after = _threads_cpu_ns(pids["exact"])
             stats: dict[str, Any] = httpx.get(stats_url, timeout=10).json()
         if receiver.errors:
@@ -352,18 +356,17 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
         if not any(key.startswith("memory_") for key in stats):
             raise RuntimeError(f"the default profiler ran without memory sampling: {stats!r}")
     spent = sum(float(stats[k]) - float(before[k]) for k in ("handler_cpu_ms", "export_cpu_ms"))
-    served = sum(counts_total)
-    loop_us, others_us = (
-        (after - before_ns) / served / 1e3
-        for after, before_ns in zip(threads_after, threads_before, strict=True)
+    loop_ns, others_ns = (
+        after - before_ns for after, before_ns in zip(threads_after, threads_before, strict=True)
     )
+    server_cpu_ms = (loop_ns + others_ns) / 1e6
     return HttpRun(
         ratios=ratios,
         cpu_ratios=cpu_ratios,
         nomem_cpu_ratios=nomem_cpu_ratios,
         cpu_per_response_us=per_response,
-        loop_thread_us=loop_us,
-        other_threads_us=others_us,
+        loop_thread_us=loop_ns / served / 1e3,
+        other_threads_us=others_ns / served / 1e3,
         profiler_cpu_share=spent / server_cpu_ms,
         stats=stats,
     )
