@@ -389,6 +389,44 @@ def test_main_thread_loops_get_a_step_hook_unless_the_backend_reads_their_contex
     assert factories["thread"] is not None, factories
 
 
+def test_a_thread_read_from_its_context_asks_asyncio_nothing_per_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once the main thread is left to a backend that reads its context, the middleware's two
+    per-request engine calls return at once: no loop or task lookup (before, two a request)."""
+    calls: list[str] = []
+    current_task, get_running_loop = asyncio.current_task, asyncio.get_running_loop
+
+    def counting_current_task(loop: Any = None) -> Any:
+        calls.append("current_task")
+        return current_task(loop)
+
+    def counting_get_running_loop() -> asyncio.AbstractEventLoop:
+        calls.append("get_running_loop")
+        return get_running_loop()
+
+    answers: list[bool] = []
+
+    async def requests() -> None:
+        attach_loop()  # the first request: the thread is left alone from here on
+        monkeypatch.setattr(asyncio, "current_task", counting_current_task)
+        monkeypatch.setattr(asyncio, "get_running_loop", counting_get_running_loop)
+        try:
+            for _ in range(100):
+                attach_loop()
+                answers.append(_engine.steps_hooked())
+        finally:
+            monkeypatch.undo()
+
+    spanprof.engine.install_label_engine(_ReadsMainContext(), mechanism="hooks")
+    try:
+        run_on("asyncio", requests)
+    finally:
+        spanprof.engine.uninstall_label_engine()
+    assert answers == [True] * 100
+    assert calls == []
+
+
 @pytest.mark.parametrize("engine", ["c", "python", "watcher"])
 @pytest.mark.parametrize("reads_context", [False, True])
 def test_no_pushes_for_the_main_thread_when_the_backend_reads_its_context(

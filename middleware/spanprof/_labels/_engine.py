@@ -427,6 +427,8 @@ def steps_hooked() -> bool:
     """
     if _backend is None or _mechanism == "watcher":
         return True  # the watcher sees every step of every task
+    if _tls.labels is _QUIET:
+        return True  # the sampler reads this thread's labels from its context: nothing to sync
     try:
         task = asyncio.current_task()
     except RuntimeError:  # no asyncio loop running here (trio has its own instrument)
@@ -495,7 +497,8 @@ def attach_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
     it remembers the last loop it saw.
     """
     global _seen_loop
-    if _backend is None:
+    if _backend is None or _tls.labels is _QUIET:
+        # Quiet: the sampler reads this thread's labels from its context, whatever loop runs.
         return
     if loop is None:
         try:
