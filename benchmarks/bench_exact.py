@@ -6,9 +6,11 @@ CPU in 0.5 ms steps between awaits, in child tasks and in the thread pool, once 
 default 100 Hz, pushing to a ``PushReceiver``.
 
 Cost: a trivial Starlette endpoint driven in-process (as in ``bench_request``) in a child
-process, with no profiler and with the exact profiler (100 Hz, 1 s uploads to a receiver in
-the parent), interleaved round by round; the child also reports the sampler's per-tick stall
-percentiles and the longest single export step.
+process, with no profiler and with the exact profiler (100 Hz, its default 10 s uploads to a
+receiver in the parent: each round's stop flushes one), interleaved round by round; the child
+also reports the sampler's per-tick stall percentiles and the longest single export step. Then
+over HTTP: uvicorn servers without a profiler, with the default one and with it minus memory
+sampling, two processes each, loaded in turn (``_throughput``).
 """
 
 from __future__ import annotations
@@ -158,7 +160,6 @@ def _child(argv: list[str]) -> None:
             profiler=ExactBackend(
                 server_address=args.receiver,
                 application_name="bench-exact-cost",
-                upload_interval=1,
             ),
             tracer_provider=TracerProvider(),
             environ={},
@@ -284,91 +285,126 @@ class HttpRun:
     cpu_ratios: list[float]
     # The same without memory sampling (SPANPROF_MEMORY=false): the sampler's share apart.
     nomem_cpu_ratios: list[float]
+    # Per variant, the mean of its servers' CPU per response in each round.
     cpu_per_response_us: dict[str, list[float]]
-    # The profiled server's CPU per response over the whole run: its loop thread, its others.
+    # Per server (variant and index), its CPU per response over the whole run.
+    server_us: dict[str, float]
+    # The default profiler's servers' CPU per response over the whole run: their loop
+    # threads, their other threads.
     loop_thread_us: float
     other_threads_us: float
     profiler_cpu_share: float
     stats: dict[str, Any]
 
 
+#: Servers per variant: fresh processes of one configuration differ by up to several percent
+#: in CPU per response (memory layout, hash seeds), as much as what is measured here.
+SERVERS_PER_VARIANT = 2
+
+
 def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
     """Per-round ratios, default profiler over none, interleaved: of responses served, and of
-    the server's CPU time per response.
+    the servers' CPU time per response.
 
     On a shared machine the response count swings with other processes' load (the client runs
-    on the same two cores). The server's own CPU per response is steadier: a CPU-bound server's
+    on the same two cores). The servers' own CPU per response is steadier: a CPU-bound server's
     throughput is its inverse. Each round's CPU is read from every server across the whole round,
-    so what a server's threads did while the other was loaded (an upload, a drain) counts too.
+    so what a server's threads did while another was loaded (an upload, a drain) counts too.
+    Each variant runs in ``SERVERS_PER_VARIANT`` processes, and a round's figure for a variant
+    is the mean of its servers'.
     """
     with PushReceiver() as receiver:
         common = {"E2E_BACKGROUND": "0", "PYROSCOPE_APPLICATION_NAME": "bench-exact-http"}
+        # SPANPROF_PROFILER unset: the default (auto), which runs the exact sampler here, with
+        # its default 10 s uploads.
+        profiled = {**common, "PYROSCOPE_SERVER_ADDRESS": receiver.url}
         variants = {
-            # SPANPROF_PROFILER unset: the default (auto), which runs the exact sampler here.
             "off": common,
-            "exact": {
-                **common,
-                "PYROSCOPE_SERVER_ADDRESS": receiver.url,
-                "PYROSCOPE_UPLOAD_INTERVAL": "1",
-            },
+            "exact": profiled,
+            "nomem": {**profiled, "SPANPROF_MEMORY": "false"},
         }
-        variants["nomem"] = {**variants["exact"], "SPANPROF_MEMORY": "false"}
-        ports = {name: free_port() for name in variants}
-        pids: dict[str, int] = {}
+        servers = [(name, i) for i in range(SERVERS_PER_VARIANT) for name in variants]
+        ports = {server: free_port() for server in servers}
+        pids: dict[tuple[str, int], int] = {}
         with contextlib.ExitStack() as stack:
-            for name, env in variants.items():
-                pids[name] = stack.enter_context(
+            for server in servers:
+                name, i = server
+                pids[server] = stack.enter_context(
                     serve(
-                        uvicorn_argv("tests.e2e.exact_app:app", ports[name], "asyncio"),
-                        health_url=f"http://127.0.0.1:{ports[name]}/health",
-                        env=env,
-                        log_path=workdir / f"http-{name}.log",
+                        uvicorn_argv("tests.e2e.exact_app:app", ports[server], "asyncio"),
+                        health_url=f"http://127.0.0.1:{ports[server]}/health",
+                        env=variants[name],
+                        log_path=workdir / f"http-{name}-{i}.log",
                     )
                 ).pid
-            for name in variants:
-                _load(ports[name], 1.0)  # warm-up
-            stats_url = f"http://127.0.0.1:{ports['exact']}/stats"
-            before: dict[str, Any] = httpx.get(stats_url, timeout=10).json()
-            threads_before = _threads_cpu_ns(pids["exact"])
+            for server in servers:
+                _load(ports[server], 1.0)  # warm-up
+            profiled_servers = [server for server in servers if server[0] == "exact"]
+            stats_urls = [f"http://127.0.0.1:{ports[server]}/stats" for server in profiled_servers]
+            before = [httpx.get(url, timeout=10).json() for url in stats_urls]
+            threads_before = [_threads_cpu_ns(pids[server]) for server in profiled_servers]
+            total_before = {server: _process_cpu_ns(pid) for server, pid in pids.items()}
+            served = dict.fromkeys(servers, 0)
             ratios: list[float] = []
-            cpu_ratios: list[float] = []
-            nomem_cpu_ratios: list[float] = []
-            served = 0
             per_response: dict[str, list[float]] = {name: [] for name in variants}
-            names = list(variants)
             for index in range(rounds):
-                order = names[index % len(names) :] + names[: index % len(names)]
-                cpu = {name: _process_cpu_ns(pid) for name, pid in pids.items()}
-                counts = {name: _load(ports[name], seconds) for name in order}
-                for name, pid in pids.items():
-                    used_ns = _process_cpu_ns(pid) - cpu[name]
-                    per_response[name].append(used_ns / counts[name] / 1e3)
-                served += counts["exact"]
-                ratios.append(counts["exact"] / counts["off"])
-                cpu_ratios.append(per_response["off"][-1] / per_response["exact"][-1])
-                nomem_cpu_ratios.append(per_response["off"][-1] / per_response["nomem"][-1])
-            threads_after = _threads_cpu_ns(pids["exact"])
-            stats: dict[str, Any] = httpx.get(stats_url, timeout=10).json()
+                shift = index % len(servers)
+                order = servers[shift:] + servers[:shift]
+                cpu = {server: _process_cpu_ns(pid) for server, pid in pids.items()}
+                counts = {server: _load(ports[server], seconds) for server in order}
+                used = {
+                    server: (_process_cpu_ns(pid) - cpu[server]) / counts[server] / 1e3
+                    for server, pid in pids.items()
+                }
+                for server, count in counts.items():
+                    served[server] += count
+                for name in variants:
+                    mine = [us for server, us in used.items() if server[0] == name]
+                    per_response[name].append(statistics.fmean(mine))
+                ratios.append(
+                    statistics.fmean(c for s, c in counts.items() if s[0] == "exact")
+                    / statistics.fmean(c for s, c in counts.items() if s[0] == "off")
+                )
+            threads_after = [_threads_cpu_ns(pids[server]) for server in profiled_servers]
+            server_us = {
+                f"{name} {i + 1}": (_process_cpu_ns(pids[(name, i)]) - total_before[(name, i)])
+                / served[(name, i)]
+                / 1e3
+                for name, i in servers
+            }
+            after = [httpx.get(url, timeout=10).json() for url in stats_urls]
         if receiver.errors:
             raise RuntimeError(f"the receiver rejected uploads: {receiver.errors[:3]}")
-        if stats.get("mode") != "exact" or receiver.pushes == 0:
-            raise RuntimeError(f"the exact profiler did not run: {stats!r}")
-        if not any(key.startswith("memory_") for key in stats):
-            raise RuntimeError(f"the default profiler ran without memory sampling: {stats!r}")
-    spent = sum(float(stats[k]) - float(before[k]) for k in ("handler_cpu_ms", "export_cpu_ms"))
-    loop_ns, others_ns = (
-        after - before_ns for after, before_ns in zip(threads_after, threads_before, strict=True)
+        for stats in after:
+            if stats.get("mode") != "exact" or not stats.get("uploads"):
+                raise RuntimeError(f"the exact profiler did not run or upload: {stats!r}")
+            if not any(key.startswith("memory_") for key in stats):
+                raise RuntimeError(f"the default profiler ran without memory sampling: {stats!r}")
+    spent = sum(
+        float(a[k]) - float(b[k])
+        for a, b in zip(after, before, strict=True)
+        for k in ("handler_cpu_ms", "export_cpu_ms")
     )
-    server_cpu_ms = (loop_ns + others_ns) / 1e6
+    loop_ns = sum(a[0] - b[0] for a, b in zip(threads_after, threads_before, strict=True))
+    others_ns = sum(a[1] - b[1] for a, b in zip(threads_after, threads_before, strict=True))
+    profiled_served = sum(served[server] for server in profiled_servers)
+    cpu_ratios = [
+        off / exact for off, exact in zip(per_response["off"], per_response["exact"], strict=True)
+    ]
+    nomem_cpu_ratios = [
+        off / nomem for off, nomem in zip(per_response["off"], per_response["nomem"], strict=True)
+    ]
     return HttpRun(
         ratios=ratios,
         cpu_ratios=cpu_ratios,
         nomem_cpu_ratios=nomem_cpu_ratios,
         cpu_per_response_us=per_response,
-        loop_thread_us=loop_ns / served / 1e3,
-        other_threads_us=others_ns / served / 1e3,
-        profiler_cpu_share=spent / server_cpu_ms,
-        stats=stats,
+        server_us=server_us,
+        loop_thread_us=loop_ns / profiled_served / 1e3,
+        other_threads_us=others_ns / profiled_served / 1e3,
+        profiler_cpu_share=spent / ((loop_ns + others_ns) / 1e6),
+        # The first profiled server's counters, for the stall and export-step figures.
+        stats=after[0],
     )
 
 
@@ -387,7 +423,7 @@ def run(quick: bool) -> Section:
         ]
     rounds, size = (41, 300) if quick else (161, 600)
     results, stats, pushes = _cost(rounds, size)
-    http_rounds = 10 if quick else 30
+    http_rounds = 8 if quick else 20
     with tempfile.TemporaryDirectory() as tmp:
         http_run = _throughput(http_rounds, 1.0, Path(tmp))
     http_stats = http_run.stats
@@ -438,15 +474,17 @@ def run(quick: bool) -> Section:
         ),
         "**Throughput over HTTP.** uvicorn servers (asyncio) of the same app with the "
         "background load off and `SPANPROF_PROFILER` unset (the default, `auto`, which runs the "
-        "exact sampler with memory sampling here): one without a profiler "
-        "(`PYROSCOPE_SERVER_ADDRESS` unset) and one with the default profiler (100 Hz, 1 s "
-        "uploads to a `PushReceiver`), all up for the whole run; "
-        f"{http_rounds} rounds in which a raw-socket client loads each in turn for "
+        "exact sampler with memory sampling here), in three configurations: no profiler "
+        "(`PYROSCOPE_SERVER_ADDRESS` unset), the default profiler as configured by default "
+        "(100 Hz, 10 s uploads to a `PushReceiver`), and the default with "
+        f"`SPANPROF_MEMORY=false`; each in {SERVERS_PER_VARIANT} processes (fresh processes of "
+        "one configuration differ by several percent in CPU per response), all up for the whole "
+        f"run. {http_rounds} rounds in which a raw-socket client loads each server in turn for "
         "1 s (8 keep-alive connections, `GET /health`: a 2-byte `PlainTextResponse` through "
-        "`ProfilingMiddleware`). The servers' CPU (all threads, `/proc/PID/task/*/schedstat`) "
-        "is read across each whole round, so what a server's threads do while another is "
-        "loaded counts too. A third server, the default with `SPANPROF_MEMORY=false`, takes its "
-        "turn in the same rounds (the order rotates).",
+        "`ProfilingMiddleware`; the order rotates). The servers' CPU (all threads, "
+        "`/proc/PID/task/*/schedstat`) is read across each whole round, so what a server's "
+        "threads do while another is loaded counts too; a round's figure for a configuration is "
+        "the mean of its servers'.",
         markdown_table(
             ["measure", "value"],
             [
@@ -463,7 +501,7 @@ def run(quick: bool) -> Section:
                     http_cpu.format(3),
                 ],
                 [
-                    "the same with `SPANPROF_MEMORY=false` (a third server, in the same rounds)",
+                    "the same with `SPANPROF_MEMORY=false` (in the same rounds)",
                     Spread.of(http_run.nomem_cpu_ratios).format(3),
                 ],
                 [
@@ -472,9 +510,13 @@ def run(quick: bool) -> Section:
                     http.format(3),
                 ],
                 [
-                    "default profiler's server: CPU µs per response on the loop thread / on its "
-                    "other threads (the profiler's: CPU and memory uploads, the allocation "
-                    "drain), whole run",
+                    "each server's CPU µs per response over the whole run",
+                    ", ".join(f"{k}: {v:.1f}" for k, v in http_run.server_us.items()),
+                ],
+                [
+                    "default profiler's servers: CPU µs per response on the loop thread / on "
+                    "their other threads (the profiler's: CPU and memory uploads, the "
+                    "allocation drain), whole run",
                     f"{http_run.loop_thread_us:.1f} / {http_run.other_threads_us:.1f}",
                 ],
                 [
@@ -496,8 +538,9 @@ def run(quick: bool) -> Section:
         " (the default's backend, memory sampling on), whose request path tells the profiler "
         "each span's end (the SLO hold's verdict; `spanprof.cpu_time_s` back on the span). "
         f"{rounds} interleaved rounds of {size} requests, the profiler started before the "
-        "round's clock and stopped after it (100 Hz, 1 s uploads to a receiver in the parent, "
-        f"{pushes} uploads received). Throughput ratio = per-request time without / with, "
+        "round's clock and stopped after it (100 Hz; its default 10 s uploads to a receiver in "
+        f"the parent, so each round's stop flushes one: {pushes} uploads received). "
+        "Throughput ratio = per-request time without / with, "
         "median of per-round ratios (CPU: the driving thread's CPU time, which includes the "
         "signal handler; wall: includes the upload thread's GIL time). The label engine is "
         "installed as `ProfilerRuntime` does; the sampler reads the loop thread's labels from "
