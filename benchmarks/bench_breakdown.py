@@ -6,8 +6,11 @@ in-process on an asyncio loop) run with each part alone, interleaved round by ro
 start order rotated: the label engine with a backend that reads the loop thread's labels from its
 context (what ``ExactBackend`` says while sampling), the SIGPROF sampler alone at 1 Hz (its hooks
 without its ticks) and at 100 Hz, the allocation sampler alone, and the whole exact profiler with
-and without memory. Times are the driving thread's CPU (``time.thread_time_ns``, signal handler
-included); differences and ratios are per round against the no-profiler round.
+and without memory: started beside the middleware, and owned by it as in an app (``owned``: the
+middleware's request path then tells it each span's end, takes the span's CPU and bytes and sets
+``spanprof.cpu_time_s`` on the span; the difference between the two is those calls). Times are
+the driving thread's CPU (``time.thread_time_ns``, signal handler included); differences and
+ratios are per round against the no-profiler round.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import gc
 import json
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._child import receiver_child_arguments, receiver_process, run_receiver_child
@@ -44,6 +47,8 @@ VARIANTS = (
     ("memory", "allocation sampler alone (512 KiB)"),
     ("exact_nomem", "exact profiler, memory=False"),
     ("exact", "exact profiler (default: memory on)"),
+    ("owned_nomem", "exact profiler, memory=False, owned by the middleware"),
+    ("owned", "exact profiler (default), owned by the middleware"),
 )
 
 
@@ -101,12 +106,16 @@ def _parts(
                 self.sampler.stop()
 
     class Runtime:
-        def __init__(self, **options: Any) -> None:
+        def __init__(self, *, owned: bool = False, **options: Any) -> None:
             backend = ExactBackend(
                 server_address=receiver, application_name="bench-breakdown",
                 upload_interval=upload_interval, sample_rate=sample_rate, **options,
             )  # fmt: skip
-            self.runtime = ProfilerRuntime(backend)
+            # Owned: the middleware's own runtime, so its request path calls the profiler.
+            self.drive = _driver(backend) if owned else None
+            self.runtime = (
+                self.drive.runtime if self.drive is not None else ProfilerRuntime(backend)
+            )
 
         def start(self) -> None:
             self.runtime.start()
@@ -122,29 +131,39 @@ def _parts(
         "memory": MemorySampler(),
         "exact_nomem": Runtime(memory=False),
         "exact": Runtime(),
+        "owned_nomem": Runtime(owned=True, memory=False),
+        "owned": Runtime(owned=True),
     }
 
 
-def _driver() -> Callable[[int], Coroutine[Any, Any, int]]:
-    """``drive(n)``: serve ``n`` requests of the one-route app in-process; the driving
-    thread's CPU nanoseconds they took."""
-    from opentelemetry.sdk.trace import TracerProvider
+class _Drive:
+    """``await drive(n)``: serve ``n`` requests of the one-route app in-process; the driving
+    thread's CPU nanoseconds they took. ``runtime``: the middleware's profiler runtime."""
 
-    import spanprof
+    def __init__(self, profiler: Any = None) -> None:
+        from opentelemetry.sdk.trace import TracerProvider
 
-    from .bench_request import SCOPE, _discard, _receive, _starlette
+        import spanprof
 
-    app = spanprof.ProfilingMiddleware(
-        _starlette(), profiler=None, tracer_provider=TracerProvider(), environ={}
-    )
+        from .bench_request import SCOPE, _discard, _receive, _starlette
 
-    async def drive(count: int) -> int:
+        self._scope, self._receive, self._send = SCOPE, _receive, _discard
+        self.app = spanprof.ProfilingMiddleware(
+            _starlette(), profiler=profiler, tracer_provider=TracerProvider(), environ={}
+        )
+        self.runtime = self.app._runtime
+
+    async def __call__(self, count: int) -> int:
+        app, scope, receive, send = self.app, self._scope, self._receive, self._send
         started = time.thread_time_ns()
         for _ in range(count):
-            await app(dict(SCOPE), _receive, _discard)
+            await app(dict(scope), receive, send)
         return time.thread_time_ns() - started
 
-    return drive
+
+def _driver(profiler: Any = None) -> _Drive:
+    """The one-route app behind a middleware owning ``profiler`` (``None``: no profiler)."""
+    return _Drive(profiler)
 
 
 def drive_part(part_name: str, count: int) -> None:
@@ -169,8 +188,13 @@ def drive_part(part_name: str, count: int) -> None:
         # The sampler's 1 Hz variant: its hooks and timer, without ticks worth counting.
         name = "sampler_1hz" if base_name == "sampler" else base_name
         part = _parts(url, upload_interval=3600, sample_rate=1)[name]
+        # An owning middleware would start its profiler on its first request: the stacks are
+        # met through the plain one.
+        measured = getattr(part, "drive", None) or drive
         loop = asyncio.new_event_loop()
-        met = None if cold or name not in ("memory", "exact") else _meet_stacks(loop, drive)
+        met = (
+            None if cold or name not in ("memory", "exact", "owned") else _meet_stacks(loop, drive)
+        )
         if part is not None:
             part.start()
         try:
@@ -178,8 +202,8 @@ def drive_part(part_name: str, count: int) -> None:
                 _adopt_stacks(part, met)
             # Warm-up: caches, first-request work, and (cold parts) the stacks the allocation
             # sampler meets first: it interns each once for the process's life.
-            loop.run_until_complete(drive(PART_WARMUP))
-            loop.run_until_complete(drive(count))
+            loop.run_until_complete(measured(PART_WARMUP))
+            loop.run_until_complete(measured(count))
         finally:
             if part is not None:
                 part.stop()
@@ -232,6 +256,15 @@ def _child(argv: list[str]) -> None:
     results: dict[str, list[float]] = {name: [] for name in names}
     try:
         loop.run_until_complete(drive(args.size))  # warm-up
+        for part in parts.values():
+            # An owning middleware starts its profiler on a request: warm it up started.
+            own = getattr(part, "drive", None)
+            if part is not None and own is not None:
+                part.start()
+                try:
+                    loop.run_until_complete(own(args.size))
+                finally:
+                    part.stop()
         for index in range(args.rounds):
             shift = index % len(names)
             for name in names[shift:] + names[:shift]:
@@ -240,7 +273,7 @@ def _child(argv: list[str]) -> None:
                 if part is not None:
                     part.start()
                 try:
-                    ns = loop.run_until_complete(drive(args.size))
+                    ns = loop.run_until_complete((getattr(part, "drive", None) or drive)(args.size))
                 finally:
                     if part is not None:
                         part.stop()

@@ -47,7 +47,17 @@ ABLATIONS = {
 }
 REQUEST_COUNTS = (500, 1500)
 # The exact profiler's parts, alone (bench_breakdown's variants, without their 100 Hz ticks).
-EXACT_PARTS = ["off", "engine", "sampler", "memory", "exact_nomem", "exact", "exact_cold"]
+EXACT_PARTS = [
+    "off",
+    "engine",
+    "sampler",
+    "memory",
+    "exact_nomem",
+    "exact",
+    "exact_cold",
+    "owned_nomem",
+    "owned",
+]
 # The memory section's 100 KB JSON endpoint, memory sampling on and off (about 50 times slower
 # under callgrind than the trivial request: fewer requests).
 JSON_COUNTS = (20, 80)
