@@ -112,7 +112,7 @@ def _parts(
                 upload_interval=upload_interval, sample_rate=sample_rate, **options,
             )  # fmt: skip
             # Owned: the middleware's own runtime, so its request path calls the profiler.
-            self.drive = _driver(backend) if owned else None
+            self.drive = _Drive(backend) if owned else None
             self.runtime = (
                 self.drive.runtime if self.drive is not None else ProfilerRuntime(backend)
             )
@@ -137,8 +137,9 @@ def _parts(
 
 
 class _Drive:
-    """``await drive(n)``: serve ``n`` requests of the one-route app in-process; the driving
-    thread's CPU nanoseconds they took. ``runtime``: the middleware's profiler runtime."""
+    """``await drive(n)``: serve ``n`` requests of the one-route app, behind a middleware owning
+    ``profiler`` (``None``: no profiler), in-process; the driving thread's CPU nanoseconds they
+    took. ``runtime``: the middleware's profiler runtime."""
 
     def __init__(self, profiler: Any = None) -> None:
         from opentelemetry.sdk.trace import TracerProvider
@@ -161,9 +162,10 @@ class _Drive:
         return time.thread_time_ns() - started
 
 
-def _driver(profiler: Any = None) -> _Drive:
-    """The one-route app behind a middleware owning ``profiler`` (``None``: no profiler)."""
-    return _Drive(profiler)
+def _drive_of(part: object, plain: _Drive) -> _Drive:
+    """``part``'s own middleware when it has one (an owned profiler), else ``plain``."""
+    own = getattr(part, "drive", None)
+    return own if isinstance(own, _Drive) else plain
 
 
 def drive_part(part_name: str, count: int) -> None:
@@ -173,7 +175,7 @@ def drive_part(part_name: str, count: int) -> None:
 
     A part with an allocation sampler starts with the stacks a long-running server has already
     met (``_meet_stacks``); ``NAME_cold`` is the part meeting them as it goes."""
-    drive = _driver()
+    drive = _Drive()
     # The allocation sampler's drain thread wakes 4 times a second of wall time, which under
     # callgrind (about 50x slower) would count as 50x as much work per request as it is: drain
     # only at stop, so that what is counted is what each request pays.
@@ -190,7 +192,7 @@ def drive_part(part_name: str, count: int) -> None:
         part = _parts(url, upload_interval=3600, sample_rate=1)[name]
         # An owning middleware would start its profiler on its first request: the stacks are
         # met through the plain one.
-        measured = getattr(part, "drive", None) or drive
+        measured = _drive_of(part, drive)
         loop = asyncio.new_event_loop()
         met = (
             None if cold or name not in ("memory", "exact", "owned") else _meet_stacks(loop, drive)
@@ -249,20 +251,20 @@ def _adopt_stacks(part: Any, met: MemorySampler) -> None:
 
 def _child(argv: list[str]) -> None:
     args = receiver_child_arguments(argv)
-    drive = _driver()
+    drive = _Drive()
     parts = _parts(args.receiver)
     names = list(parts)
     loop = asyncio.new_event_loop()
     results: dict[str, list[float]] = {name: [] for name in names}
+    drives = {name: _drive_of(part, drive) for name, part in parts.items()}
     try:
         loop.run_until_complete(drive(args.size))  # warm-up
-        for part in parts.values():
-            # An owning middleware starts its profiler on a request: warm it up started.
-            own = getattr(part, "drive", None)
-            if part is not None and own is not None:
+        for name, part in parts.items():
+            if part is not None and drives[name] is not drive:
+                # An owning middleware starts its profiler on a request: warm it up started.
                 part.start()
                 try:
-                    loop.run_until_complete(own(args.size))
+                    loop.run_until_complete(drives[name](args.size))
                 finally:
                     part.stop()
         for index in range(args.rounds):
@@ -273,7 +275,7 @@ def _child(argv: list[str]) -> None:
                 if part is not None:
                     part.start()
                 try:
-                    ns = loop.run_until_complete((getattr(part, "drive", None) or drive)(args.size))
+                    ns = loop.run_until_complete(drives[name](args.size))
                 finally:
                     if part is not None:
                         part.stop()
