@@ -8,7 +8,7 @@ context (what ``ExactBackend`` says while sampling), the SIGPROF sampler alone a
 without its ticks) and at 100 Hz, the allocation sampler alone, and the whole exact profiler with
 and without memory: started beside the middleware, and owned by it as in an app (``owned``: the
 middleware's request path then tells it each span's end, takes the span's CPU and bytes and sets
-``spanprof.cpu_time_s`` on the span; the difference between the two is those calls). Times are
+them on the span when not 0; the difference between the two is those calls). Times are
 the driving thread's CPU (``time.thread_time_ns``, signal handler included); differences and
 ratios are per round against the no-profiler round.
 """

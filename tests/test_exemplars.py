@@ -64,6 +64,34 @@ def _run(app: Any, requests: list[str]) -> list[int]:
     return asyncio.run(main())
 
 
+def test_spans_near_their_threshold_carry_the_verdict_the_short_ones_none(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """Past half its threshold a good span says ``breached=false``: a reader comparing the
+    span's own duration (which ends after the last body message) takes the middleware's word;
+    a short request carries no SLO attribute at all."""
+    app = ProfilingMiddleware(
+        _app(),
+        profiler=None,
+        tracer_provider=tracer_provider,
+        route_slos={"/checkout": 0.1},
+        environ={},
+    )
+    sleeps = ["0", "0.07", "0.15"]  # short, within but near, breached
+    assert _run(app, [f"/checkout?sleep={s}" for s in sleeps]) == [200] * 3
+    spans = sorted(
+        _server_spans(span_exporter), key=lambda s: (s.end_time or 0) - (s.start_time or 0)
+    )
+    marks = [
+        (
+            (s.attributes or {}).get("spanprof.slo.breached"),
+            (s.attributes or {}).get("spanprof.slo.threshold_s"),
+        )
+        for s in spans
+    ]
+    assert marks == [(None, None), (False, None), (True, 0.1)]
+
+
 def test_exemplars_exactly_for_breaching_requests(
     tracer_provider: TracerProvider,
     span_exporter: InMemorySpanExporter,

@@ -183,7 +183,10 @@ def test_requests_without_samples_record_no_cpu_time(
     meter_provider: MeterProvider,
     metric_reader: InMemoryMetricReader,
 ) -> None:
-    """No sample landed in the request: its span says 0 s, the CPU histogram is left alone."""
+    """No sample landed in the request: neither its span nor the CPU histogram records CPU.
+
+    An attribute on every short request would cost the SDK a lock and a value check each.
+    """
     backend = _EndingBackend(cpu_ns=0)
     app = ProfilingMiddleware(
         Starlette(routes=[Route("/s", _sleepy)]),
@@ -200,7 +203,7 @@ def test_requests_without_samples_record_no_cpu_time(
 
     assert asyncio.run(main()) == 200
     (span,) = _server_spans(span_exporter).values()
-    assert (span.attributes or {})["spanprof.cpu_time_s"] == 0
+    assert "spanprof.cpu_time_s" not in (span.attributes or {})
     assert histogram_points(metric_reader, "http.server.request.cpu_time") == []
     assert (
         sum(p.count for p in histogram_points(metric_reader, "http.server.request.duration")) == 1

@@ -1,11 +1,13 @@
 """SLO verdicts for the local mode: which requests breached, against which threshold.
 
 The middlewares mark a breaching server span with ``spanprof.slo.breached`` and
-``spanprof.slo.threshold_s``, and with the exact profiler every span they conclude with
-``spanprof.cpu_time_s``. Local mode trusts those attributes when a span has them and
-otherwise compares the span's duration with the same ``SloPolicy`` (built from the same
+``spanprof.slo.threshold_s``, and one within its SLO with ``spanprof.slo.breached=false`` once
+it took more than half its threshold. Local mode trusts those attributes when a span has them
+and otherwise compares the span's duration with the same ``SloPolicy`` (built from the same
 ``SPANPROF_SLO_SECONDS`` / ``SPANPROF_ROUTE_SLO`` settings), so the page also works with apps
-whose middleware does not mark spans.
+whose middleware does not mark spans. An unmarked span of spanprof's middleware took less than
+half its threshold up to its last body message: both verdicts agree unless sending that message
+took the other half.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from collections.abc import Mapping
 
 from .._signals._duration import BREACH_ATTRIBUTE, THRESHOLD_ATTRIBUTE
 from .._signals._slo import SloPolicy
-from .._web._usage import CPU_TIME_ATTRIBUTE
 
 __all__ = ["SloPolicy", "describe", "judge", "policy_env", "policy_from"]
 
@@ -60,9 +61,6 @@ def judge(
             return marked, float(recorded), "span"
         return marked, policy.threshold(route), "span"
     threshold = policy.threshold(route)
-    if CPU_TIME_ATTRIBUTE in attributes:
-        # The exact profiler took this span's verdict (see _web._usage): it met its SLO.
-        return False, threshold, "span"
     return duration_s > threshold, threshold, "local"
 
 

@@ -42,6 +42,11 @@ CPU_TIME_BUCKETS = (
 
 BREACH_ATTRIBUTE = "spanprof.slo.breached"
 THRESHOLD_ATTRIBUTE = "spanprof.slo.threshold_s"
+# A request within its SLO is marked ``false`` only past this share of its threshold: a reader
+# comparing span durations with the threshold (local mode) then takes the middleware's verdict
+# on every request whose span could end past the threshold (the span ends after the last body
+# message, the verdict is taken before it), and the short ones carry no attribute at all.
+NEAR_THRESHOLD = 0.5
 
 _NO_EXEMPLAR: Context = set_span_in_context(INVALID_SPAN)
 
@@ -122,16 +127,20 @@ class DurationRecorder:
     def mark(self, span: Span, route: str | None, seconds: float) -> bool:
         """Tell the span whether it breached its SLO; returns whether it did. Never raises.
 
-        Call it before the last body message is sent: OpenTelemetry's ASGI middleware ends
-        the server span as that message goes out, and an ended span takes no attributes.
+        A breaching span gets ``spanprof.slo.breached`` and ``spanprof.slo.threshold_s``; one
+        within its SLO gets ``spanprof.slo.breached=false`` past ``NEAR_THRESHOLD`` of it, and
+        nothing below. Call it before the last body message is sent: OpenTelemetry's ASGI
+        middleware ends the server span as that message goes out, and an ended span takes no
+        attributes.
         """
         threshold = self.slo.threshold(route)
         breached = seconds > threshold
-        if breached:
+        if breached or seconds > threshold * NEAR_THRESHOLD:
             try:
                 if span.is_recording():
-                    span.set_attribute(BREACH_ATTRIBUTE, True)
-                    span.set_attribute(THRESHOLD_ATTRIBUTE, threshold)
+                    span.set_attribute(BREACH_ATTRIBUTE, breached)
+                    if breached:
+                        span.set_attribute(THRESHOLD_ATTRIBUTE, threshold)
             except Exception:  # a span that refuses attributes: the verdict still stands
                 log_once(
                     "slo-mark",
