@@ -220,24 +220,29 @@ def _cost(rounds: int, size: int) -> tuple[dict[str, list[float]], list[dict[str
 _HEALTH = b"GET /health HTTP/1.1\r\nHost: bench\r\n\r\n"
 
 
-def _load(port: int, seconds: float, connections: int = 8) -> int:
-    """Responses completed in ``seconds`` over ``connections`` keep-alive connections.
+def _load(ports: list[int], seconds: float, connections: int = 8) -> dict[int, int]:
+    """Responses each server completed in ``seconds``, all loaded at once, per port.
 
-    A raw-socket client (one request in flight per connection) costs a small fraction of what
-    the server spends per request, so the server stays the bottleneck.
+    Each server gets ``connections`` keep-alive connections with one request in flight each, so
+    every server is busy for the whole period and what its threads do meanwhile (drains,
+    uploads) is paid out of load, as on a server that is never idle. A raw-socket client costs
+    a small fraction of what a server spends per request, so the servers stay the bottleneck.
     """
     selector = selectors.DefaultSelector()
     buffers: dict[socket.socket, bytearray] = {}
-    for _ in range(connections):
-        conn = socket.create_connection(("127.0.0.1", port))
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.sendall(_HEALTH)
-        conn.setblocking(False)
-        buffers[conn] = bytearray()
-        selector.register(conn, selectors.EVENT_READ, data=conn)
-    done = 0
-    deadline = time.monotonic() + seconds
+    owners: dict[socket.socket, int] = {}
+    done = dict.fromkeys(ports, 0)
     try:
+        for port in ports:
+            for _ in range(connections):
+                conn = socket.create_connection(("127.0.0.1", port))
+                buffers[conn] = bytearray()
+                owners[conn] = port
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.sendall(_HEALTH)
+                conn.setblocking(False)
+                selector.register(conn, selectors.EVENT_READ, data=conn)
+        deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             for key, _events in selector.select(0.1):
                 conn = key.data
@@ -249,11 +254,12 @@ def _load(port: int, seconds: float, connections: int = 8) -> int:
                     if len(buffer) < end + 4 + length:
                         break
                     del buffer[: end + 4 + length]
-                    done += 1
+                    done[owners[conn]] += 1
                     conn.sendall(_HEALTH)
     finally:
         for conn in buffers:
-            selector.unregister(conn)
+            with contextlib.suppress(KeyError, ValueError):
+                selector.unregister(conn)
             conn.close()
         selector.close()
     return done
@@ -282,12 +288,11 @@ class HttpRun:
     """The HTTP throughput run: per-round ratios and the profiler's CPU share."""
 
     ratios: list[float]
-    cpu_ratios: list[float]
-    # The same without memory sampling (SPANPROF_MEMORY=false): the sampler's share apart.
-    nomem_cpu_ratios: list[float]
-    # Per variant, the mean of its servers' CPU per response in each round.
+    # Per configuration other than "off": no profiler's CPU per response over its, per round.
+    cpu_ratios: dict[str, list[float]]
+    # Per configuration, the mean of its servers' CPU per response in each round.
     cpu_per_response_us: dict[str, list[float]]
-    # Per server (variant and index), its CPU per response over the whole run.
+    # Per server (configuration and index), its CPU per response over the whole run.
     server_us: dict[str, float]
     # The default profiler's servers' CPU per response over the whole run: their loop
     # threads, their other threads.
@@ -297,34 +302,53 @@ class HttpRun:
     stats: dict[str, Any]
 
 
-#: Servers per variant: fresh processes of one configuration differ by up to several percent
-#: in CPU per response (memory layout, hash seeds), as much as what is measured here.
+#: Servers per configuration: fresh processes of one configuration differ by up to several
+#: percent in CPU per response (memory layout, hash seeds), as much as what is measured here.
 SERVERS_PER_VARIANT = 2
+
+#: The HTTP run's configurations besides no profiler ("off"): the default, then the default
+#: taken apart, each row one part less than the one before.
+HTTP_VARIANTS = {
+    "exact": "the default profiler",
+    "hooks": "the default with allocation hooks that (almost) never sample "
+    "(`SPANPROF_ALLOC_SAMPLE_BYTES=1099511627776`)",
+    "nomem": "the default with `SPANPROF_MEMORY=false`",
+    "nomem_1hz": "the same at 1 Hz (`PYROSCOPE_SAMPLE_RATE=1`): the request path, the label "
+    "engine and the upload thread, with almost no ticks",
+}
+
+#: Seconds each round loads every server: one default upload interval, so each profiled
+#: server uploads about once a round.
+HTTP_ROUND_SECONDS = 10.0
 
 
 def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
-    """Per-round ratios, default profiler over none, interleaved: of responses served, and of
-    the servers' CPU time per response.
+    """Per-round ratios of the servers' CPU per response, no profiler over each configuration,
+    all servers loaded at once (and responses served, default over none).
 
-    On a shared machine the response count swings with other processes' load (the client runs
-    on the same two cores). The servers' own CPU per response is steadier: a CPU-bound server's
-    throughput is its inverse. Each round's CPU is read from every server across the whole round,
-    so what a server's threads did while another was loaded (an upload, a drain) counts too.
-    Each variant runs in ``SERVERS_PER_VARIANT`` processes, and a round's figure for a variant
-    is the mean of its servers'.
+    A CPU-bound server's throughput is the inverse of its CPU per response. Every server is
+    loaded for the whole round, so a profiler thread's periodic work (drains every 0.25 s,
+    uploads every 10 s) is paid out of load as on a busy server, instead of being charged to
+    the 1 s in which a server was loaded while the others waited (as this run did before). Each
+    configuration runs in ``SERVERS_PER_VARIANT`` processes; a round's figure for it is the
+    mean of its servers'.
     """
     with PushReceiver() as receiver:
         common = {"E2E_BACKGROUND": "0", "PYROSCOPE_APPLICATION_NAME": "bench-exact-http"}
         # SPANPROF_PROFILER unset: the default (auto), which runs the exact sampler here, with
         # its default 10 s uploads.
         profiled = {**common, "PYROSCOPE_SERVER_ADDRESS": receiver.url}
+        nomem = {**profiled, "SPANPROF_MEMORY": "false"}
         variants = {
             "off": common,
             "exact": profiled,
-            "nomem": {**profiled, "SPANPROF_MEMORY": "false"},
+            "hooks": {**profiled, "SPANPROF_ALLOC_SAMPLE_BYTES": str(1 << 40)},
+            "nomem": nomem,
+            "nomem_1hz": {**nomem, "PYROSCOPE_SAMPLE_RATE": "1"},
         }
         servers = [(name, i) for i in range(SERVERS_PER_VARIANT) for name in variants]
         ports = {server: free_port() for server in servers}
+        all_ports = [ports[server] for server in servers]
         pids: dict[tuple[str, int], int] = {}
         with contextlib.ExitStack() as stack:
             for server in servers:
@@ -337,21 +361,22 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
                         log_path=workdir / f"http-{name}-{i}.log",
                     )
                 ).pid
-            for server in servers:
-                _load(ports[server], 1.0)  # warm-up
-            profiled_servers = [server for server in servers if server[0] == "exact"]
-            stats_urls = [f"http://127.0.0.1:{ports[server]}/stats" for server in profiled_servers]
-            before = [httpx.get(url, timeout=10).json() for url in stats_urls]
-            threads_before = [_threads_cpu_ns(pids[server]) for server in profiled_servers]
+            _load(all_ports, 3.0)  # warm-up
+            profiled_servers = [server for server in servers if server[0] != "off"]
+            default_servers = [server for server in servers if server[0] == "exact"]
+            stats_url = "http://127.0.0.1:{}/stats"
+            before = [
+                httpx.get(stats_url.format(ports[s]), timeout=10).json() for s in default_servers
+            ]
+            threads_before = [_threads_cpu_ns(pids[server]) for server in default_servers]
             total_before = {server: _process_cpu_ns(pid) for server, pid in pids.items()}
             served = dict.fromkeys(servers, 0)
             ratios: list[float] = []
             per_response: dict[str, list[float]] = {name: [] for name in variants}
-            for index in range(rounds):
-                shift = index % len(servers)
-                order = servers[shift:] + servers[:shift]
+            for _ in range(rounds):
                 cpu = {server: _process_cpu_ns(pid) for server, pid in pids.items()}
-                counts = {server: _load(ports[server], seconds) for server in order}
+                by_port = _load(all_ports, seconds)
+                counts = {server: by_port[ports[server]] for server in servers}
                 used = {
                     server: (_process_cpu_ns(pid) - cpu[server]) / counts[server] / 1e3
                     for server, pid in pids.items()
@@ -365,21 +390,28 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
                     statistics.fmean(c for s, c in counts.items() if s[0] == "exact")
                     / statistics.fmean(c for s, c in counts.items() if s[0] == "off")
                 )
-            threads_after = [_threads_cpu_ns(pids[server]) for server in profiled_servers]
+            threads_after = [_threads_cpu_ns(pids[server]) for server in default_servers]
             server_us = {
                 f"{name} {i + 1}": (_process_cpu_ns(pids[(name, i)]) - total_before[(name, i)])
                 / served[(name, i)]
                 / 1e3
                 for name, i in servers
             }
-            after = [httpx.get(url, timeout=10).json() for url in stats_urls]
+            after = [
+                httpx.get(stats_url.format(ports[s]), timeout=10).json() for s in default_servers
+            ]
+            checks = {
+                s: httpx.get(stats_url.format(ports[s]), timeout=10).json()
+                for s in profiled_servers
+            }
         if receiver.errors:
             raise RuntimeError(f"the receiver rejected uploads: {receiver.errors[:3]}")
-        for stats in after:
+        for (name, _), stats in checks.items():
             if stats.get("mode") != "exact" or not stats.get("uploads"):
-                raise RuntimeError(f"the exact profiler did not run or upload: {stats!r}")
-            if not any(key.startswith("memory_") for key in stats):
-                raise RuntimeError(f"the default profiler ran without memory sampling: {stats!r}")
+                raise RuntimeError(f"the exact profiler did not run or upload ({name}): {stats!r}")
+            sampling = any(key.startswith("memory_") for key in stats)
+            if sampling != (name in ("exact", "hooks")):
+                raise RuntimeError(f"memory sampling was not as configured ({name}): {stats!r}")
     spent = sum(
         float(a[k]) - float(b[k])
         for a, b in zip(after, before, strict=True)
@@ -387,23 +419,20 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
     )
     loop_ns = sum(a[0] - b[0] for a, b in zip(threads_after, threads_before, strict=True))
     others_ns = sum(a[1] - b[1] for a, b in zip(threads_after, threads_before, strict=True))
-    profiled_served = sum(served[server] for server in profiled_servers)
-    cpu_ratios = [
-        off / exact for off, exact in zip(per_response["off"], per_response["exact"], strict=True)
-    ]
-    nomem_cpu_ratios = [
-        off / nomem for off, nomem in zip(per_response["off"], per_response["nomem"], strict=True)
-    ]
+    default_served = sum(served[server] for server in default_servers)
+    cpu_ratios = {
+        name: [off / x for off, x in zip(per_response["off"], per_response[name], strict=True)]
+        for name in HTTP_VARIANTS
+    }
     return HttpRun(
         ratios=ratios,
         cpu_ratios=cpu_ratios,
-        nomem_cpu_ratios=nomem_cpu_ratios,
         cpu_per_response_us=per_response,
         server_us=server_us,
-        loop_thread_us=loop_ns / profiled_served / 1e3,
-        other_threads_us=others_ns / profiled_served / 1e3,
+        loop_thread_us=loop_ns / default_served / 1e3,
+        other_threads_us=others_ns / default_served / 1e3,
         profiler_cpu_share=spent / ((loop_ns + others_ns) / 1e6),
-        # The first profiled server's counters, for the stall and export-step figures.
+        # The first default server's counters, for the stall and export-step figures.
         stats=after[0],
     )
 
@@ -423,12 +452,13 @@ def run(quick: bool) -> Section:
         ]
     rounds, size = (41, 300) if quick else (161, 600)
     results, stats, pushes = _cost(rounds, size)
-    http_rounds = 8 if quick else 20
+    http_rounds = 3 if quick else 8
     with tempfile.TemporaryDirectory() as tmp:
-        http_run = _throughput(http_rounds, 1.0, Path(tmp))
+        http_run = _throughput(http_rounds, HTTP_ROUND_SECONDS, Path(tmp))
     http_stats = http_run.stats
     http = Spread.of(http_run.ratios)
-    http_cpu = Spread.of(http_run.cpu_ratios)
+    http_cpu = Spread.of(http_run.cpu_ratios["exact"])
+    servers = SERVERS_PER_VARIANT * (len(HTTP_VARIANTS) + 1)
     ratio = paired_ratios(results["off"], results["exact"])
     wall_ratio = paired_ratios(results["off_wall"], results["exact_wall"])
     p99s = [s["stall_p99_us"] for s in stats]
@@ -474,39 +504,38 @@ def run(quick: bool) -> Section:
         ),
         "**Throughput over HTTP.** uvicorn servers (asyncio) of the same app with the "
         "background load off and `SPANPROF_PROFILER` unset (the default, `auto`, which runs the "
-        "exact sampler with memory sampling here), in three configurations: no profiler "
-        "(`PYROSCOPE_SERVER_ADDRESS` unset), the default profiler as configured by default "
-        "(100 Hz, 10 s uploads to a `PushReceiver`), and the default with "
-        f"`SPANPROF_MEMORY=false`; each in {SERVERS_PER_VARIANT} processes (fresh processes of "
-        "one configuration differ by several percent in CPU per response), all up for the whole "
-        f"run. {http_rounds} rounds in which a raw-socket client loads each server in turn for "
-        "1 s (8 keep-alive connections, `GET /health`: a 2-byte `PlainTextResponse` through "
-        "`ProfilingMiddleware`; the order rotates). The servers' CPU (all threads, "
-        "`/proc/PID/task/*/schedstat`) is read across each whole round, so what a server's "
-        "threads do while another is loaded counts too; a round's figure for a configuration is "
-        "the mean of its servers'.",
+        "exact sampler with memory sampling here): no profiler (`PYROSCOPE_SERVER_ADDRESS` "
+        "unset), the default profiler as configured by default (100 Hz, 10 s uploads to a "
+        "`PushReceiver`), and the default taken apart one part at a time (the rows below); each "
+        f"configuration in {SERVERS_PER_VARIANT} processes (fresh processes of one "
+        "configuration differ by several percent in CPU per response). "
+        f"{http_rounds} rounds of {HTTP_ROUND_SECONDS:.0f} s (one upload interval) in which a "
+        f"raw-socket client loads all {servers} servers at once (8 keep-alive connections each, "
+        "`GET /health`: a 2-byte `PlainTextResponse` through `ProfilingMiddleware`), so every "
+        "server is busy all round and its profiler's periodic work is paid out of load, as on "
+        "a server that is never idle. Each server's CPU (all threads, "
+        "`/proc/PID/task/*/schedstat`) per response it served that round; a round's figure for "
+        "a configuration is the mean of its servers'. The servers share two cores, so each runs "
+        f"at about 2/{servers} of a core: work a profiler does per second of wall time (about "
+        "1.5 ms a second for the default, idle) weighs several times more per response here "
+        "than on a server with a core of its own.",
+        markdown_table(
+            ["configuration", "server CPU µs per response", "throughput x no profiler (CPU)"],
+            [["no profiler", Spread.of(http_run.cpu_per_response_us["off"]).format(1), "—"]]
+            + [
+                [
+                    label,
+                    Spread.of(http_run.cpu_per_response_us[name]).format(1),
+                    Spread.of(http_run.cpu_ratios[name]).format(3),
+                ]
+                for name, label in HTTP_VARIANTS.items()
+            ],
+        ),
         markdown_table(
             ["measure", "value"],
             [
                 [
-                    "server CPU µs per response, no profiler",
-                    Spread.of(http_run.cpu_per_response_us["off"]).format(1),
-                ],
-                [
-                    "server CPU µs per response, default profiler",
-                    Spread.of(http_run.cpu_per_response_us["exact"]).format(1),
-                ],
-                [
-                    "throughput ratio by server CPU per response (without / with, per round)",
-                    http_cpu.format(3),
-                ],
-                [
-                    "the same with `SPANPROF_MEMORY=false` (in the same rounds)",
-                    Spread.of(http_run.nomem_cpu_ratios).format(3),
-                ],
-                [
-                    "responses served, with / without, per round (the client shares the cores: "
-                    "swings by tens of percent)",
+                    "responses served, default / no profiler, per round",
                     http.format(3),
                 ],
                 [
@@ -593,8 +622,10 @@ def run(quick: bool) -> Section:
             f"throughput of a trivial endpoint with the default profiler >= {THROUGHPUT_BUDGET} x "
             "no profiler (uvicorn over HTTP, server CPU per response)",
             http_cpu.median >= THROUGHPUT_BUDGET,
-            f"{http_cpu.median:.3f} x (IQR {http_cpu.q1:.3f}..{http_cpu.q3:.3f}); the profiler's "
-            f"own counters {http_run.profiler_cpu_share:.2%} of the server's CPU; responses "
+            f"{http_cpu.median:.3f} x (IQR {http_cpu.q1:.3f}..{http_cpu.q3:.3f}); without its "
+            f"allocation samples {statistics.median(http_run.cpu_ratios['hooks']):.3f} x, "
+            f"memory off {statistics.median(http_run.cpu_ratios['nomem']):.3f} x, and that at "
+            f"1 Hz {statistics.median(http_run.cpu_ratios['nomem_1hz']):.3f} x; responses "
             f"served {http.median:.3f} x",
         ),
         Verdict(
@@ -604,13 +635,18 @@ def run(quick: bool) -> Section:
             f"{ratio.median:.3f} x (IQR {ratio.q1:.3f}..{ratio.q3:.3f}) by the driving thread's "
             "CPU",
         ),
+        # The HTTP run's servers share two cores, so a handler's wall time there includes its
+        # waits for a core: its CPU says what the handler cost; the in-process rounds (one
+        # process, no contention) say its wall time.
         Verdict(
-            f"app-thread stall per sample p99 <= {STALL_BUDGET_US:.0f} µs (HTTP throughput run)",
-            float(http_stats["stall_p99_us"]) <= STALL_BUDGET_US,
-            f"{float(http_stats['stall_p99_us']):.0f} µs wall, "
-            f"{float(http_stats['stall_cpu_p99_us']):.0f} µs CPU; in-process rounds: median "
-            f"p99 {statistics.median(p99s):.0f} µs; 16-request 0.5 ms-step runs: "
-            f"{max(e2e_p99s):.0f} µs wall, {max(e2e_cpu_p99s):.0f} µs CPU",
+            f"app-thread stall per sample p99 <= {STALL_BUDGET_US:.0f} µs (HTTP throughput run "
+            "by CPU; in-process rounds by wall time)",
+            float(http_stats["stall_cpu_p99_us"]) <= STALL_BUDGET_US
+            and statistics.median(p99s) <= STALL_BUDGET_US,
+            f"HTTP {float(http_stats['stall_cpu_p99_us']):.0f} µs CPU "
+            f"({float(http_stats['stall_p99_us']):.0f} µs wall, {servers} servers on two cores); "
+            f"in-process rounds: median p99 {statistics.median(p99s):.0f} µs wall; 16-request "
+            f"0.5 ms-step runs: {max(e2e_p99s):.0f} µs wall, {max(e2e_cpu_p99s):.0f} µs CPU",
         ),
         Verdict(
             f"no export step holds the GIL over {EXPORT_BUDGET_US / 1000:.0f} ms",
