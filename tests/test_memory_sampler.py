@@ -325,6 +325,41 @@ def test_stack_is_leaf_first_with_lines() -> None:
     assert len(keep) == 5
 
 
+def test_a_stack_an_earlier_drain_met_comes_as_its_key_and_keeps_its_frames() -> None:
+    """Samples of a stack the drain's caller knows arrive without their frames; the sampler
+    still names that stack in its window."""
+    from spanprof._profiling._samplers import _alloc
+
+    warm_up()
+    keep: list[bytes] = []
+    with sampling(sample_bytes=1) as sampler:
+        known: dict[bytes, int] = {}
+        drained = []
+        for _ in range(2):
+            keep += keep_blocks(5)  # one call site: the same stacks both times
+            samples, _ = _alloc.drain(known)
+            drained.append(samples)
+            known.update(dict.fromkeys((sample[7] for sample in samples), 0))
+        first, again = drained
+        assert first
+        assert all(s[4] is not None and s[5] is not None for s in first)
+        repeated = [s for s in again if s[7] in {f[7] for f in first}]
+        assert repeated, again[:3]
+        assert all(s[4] is None and s[5] is None for s in repeated)
+        with pytest.raises(TypeError):
+            _alloc.drain([])  # type: ignore[arg-type]  # known must be a dict
+        # Through the sampler: its first drain interns the stack, the window's drain passes the
+        # samples of it as keys alone, and both drains' blocks are there under its name.
+        for step in range(2):
+            keep += keep_blocks(5)
+            if step == 0:
+                sampler.drain()
+        window = sampler.take_window()
+    rows = by_function(window, "keep_blocks")
+    assert total(rows, 0) >= 10, rows
+    assert len(keep) == 20
+
+
 def test_the_tracked_table_is_bounded_and_counts_what_it_left_out() -> None:
     """Past max_tracked, samples still count as allocated, not in use, and are counted."""
     with sampling(sample_bytes=1, max_tracked=50, max_samples=100_000) as sampler:

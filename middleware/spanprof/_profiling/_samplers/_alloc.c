@@ -1192,16 +1192,19 @@ alloc_stop(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
 }
 
 /* One record as (id, size, tracked, labels, codes, lastis, truncated, key); takes over the
- * record's references (its code objects and labels end up in the tuple). `key` is the stack as
- * bytes, each frame's code address and instruction offset: the drain's cache key, hashed once
- * and compared with memcmp (a tuple of ints would be hashed and compared item by item). */
+ * record's references (its labels, and its code objects unless `known` has its key: those stay
+ * in the buffer). `key` is the stack as bytes, each frame's code address and instruction
+ * offset: the drain's cache key, hashed once and compared with memcmp (a tuple of ints would be
+ * hashed and compared item by item). Most samples repeat a stack the caller has interned
+ * already: for those, building two tuples of the stack's frames would be all waste. */
 static PyObject *
-record_tuple(buffer_t *buf, record_t *rec)
+record_tuple(buffer_t *buf, record_t *rec, PyObject *known)
 {
-    PyObject *item, *codes, *lastis, *value;
+    PyObject *item, *codes, *lastis, *value, *key;
     uint16_t i;
     raw_frame_t *frames = &buf->frames[rec->first_frame];
-    char *key;
+    char *bytes;
+    int is_known = 0;
 
     item = PyTuple_New(8);
     if (item == NULL) {
@@ -1217,36 +1220,51 @@ record_tuple(buffer_t *buf, record_t *rec)
     }
     PyTuple_SET_ITEM(item, 1, value);
     PyTuple_SET_ITEM(item, 2, PyBool_FromLong(rec->tracked));
-    if ((codes = PyTuple_New(rec->nframes)) == NULL) {
-        goto fail;
-    }
-    PyTuple_SET_ITEM(item, 4, codes);
-    if ((lastis = PyTuple_New(rec->nframes)) == NULL) {
-        goto fail;
-    }
-    PyTuple_SET_ITEM(item, 5, lastis);
-    for (i = 0; i < rec->nframes; i++) {
-        if ((value = PyLong_FromLong(frames[i].lasti)) == NULL) {
-            goto fail;
-        }
-        PyTuple_SET_ITEM(lastis, i, value);
-    }
     PyTuple_SET_ITEM(item, 6, PyBool_FromLong(rec->truncated));
-    if ((value = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)rec->nframes * 16)) == NULL) {
+    if ((key = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)rec->nframes * 16)) == NULL) {
         goto fail;
     }
-    key = PyBytes_AS_STRING(value);
+    PyTuple_SET_ITEM(item, 7, key);
+    bytes = PyBytes_AS_STRING(key);
     for (i = 0; i < rec->nframes; i++) {
         uint64_t address = (uint64_t)(uintptr_t)frames[i].code;
         int64_t offset = frames[i].lasti;
-        memcpy(key + 16 * (size_t)i, &address, 8);
-        memcpy(key + 16 * (size_t)i + 8, &offset, 8);
+        memcpy(bytes + 16 * (size_t)i, &address, 8);
+        memcpy(bytes + 16 * (size_t)i + 8, &offset, 8);
     }
-    PyTuple_SET_ITEM(item, 7, value);
-    /* Nothing can fail from here: hand the references over. */
-    for (i = 0; i < rec->nframes; i++) {
-        PyTuple_SET_ITEM(codes, i, frames[i].code);
-        frames[i].code = NULL;
+    if (known != NULL) {
+        /* The caller's dict holds bytes keys only: the lookup hashes and compares in C. */
+        is_known = PyDict_Contains(known, key);
+        if (is_known < 0) {
+            goto fail;
+        }
+    }
+    if (is_known) {
+        /* The caller has this stack already: its frames stay in the buffer, whose clear
+         * releases them, and the sample costs no tuples of frames. */
+        PyTuple_SET_ITEM(item, 4, Py_NewRef(Py_None));
+        PyTuple_SET_ITEM(item, 5, Py_NewRef(Py_None));
+    }
+    else {
+        if ((codes = PyTuple_New(rec->nframes)) == NULL) {
+            goto fail;
+        }
+        PyTuple_SET_ITEM(item, 4, codes);
+        if ((lastis = PyTuple_New(rec->nframes)) == NULL) {
+            goto fail;
+        }
+        PyTuple_SET_ITEM(item, 5, lastis);
+        for (i = 0; i < rec->nframes; i++) {
+            if ((value = PyLong_FromLong(frames[i].lasti)) == NULL) {
+                goto fail;
+            }
+            PyTuple_SET_ITEM(lastis, i, value);
+        }
+        /* Nothing can fail from here: hand the references over. */
+        for (i = 0; i < rec->nframes; i++) {
+            PyTuple_SET_ITEM(codes, i, frames[i].code);
+            frames[i].code = NULL;
+        }
     }
     if (rec->labels != NULL) {
         PyTuple_SET_ITEM(item, 3, rec->labels);
@@ -1263,25 +1281,30 @@ fail:
 }
 
 PyDoc_STRVAR(drain_doc,
-"drain() -> tuple[list[tuple[int, int, bool, object, tuple[CodeType, ...], tuple[int, ...], bool, bytes]], list[int]]\n"
+"drain(known=None, /) -> tuple[list[tuple[int, int, bool, object, tuple[CodeType, ...] | None, tuple[int, ...] | None, bool, bytes]], list[int]]\n"
 "--\n"
 "\n"
 "The samples taken and the sampled blocks freed since the last call.\n"
 "\n"
 "Each sample is (id, size, tracked, labels, codes, lastis, truncated, key): codes and lastis\n"
-"are its stack, leaf first; key the same stack as bytes (code addresses and offsets). Frees\n"
+"are its stack, leaf first; key the same stack as bytes (code addresses and offsets). With\n"
+"``known``, a dict keyed by such keys, a sample whose key is in it has None for codes and\n"
+"lastis: the caller has that stack already. Frees\n"
 "list the ids of tracked samples (reported by an earlier or this same drain) whose block was\n"
 "freed. The calling thread's allocations are not sampled while\n"
 "this runs.");
 
 static PyObject *
-alloc_drain(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
+alloc_drain(PyObject *Py_UNUSED(module), PyObject *args)
 {
     buffer_t *retired;
-    PyObject *samples = NULL, *freed = NULL, *result;
+    PyObject *samples = NULL, *freed = NULL, *result, *known = NULL;
     uint32_t i;
     int was_in_module;
 
+    if (!PyArg_ParseTuple(args, "|O!:drain", &PyDict_Type, &known)) {
+        return NULL;
+    }
     if (current == NULL) {
         return Py_BuildValue("([][])");
     }
@@ -1300,7 +1323,7 @@ alloc_drain(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
         goto fail;
     }
     for (i = 0; i < retired->nrecords; i++) {
-        PyObject *item = record_tuple(retired, &retired->records[i]);
+        PyObject *item = record_tuple(retired, &retired->records[i], known);
         int status;
         if (item == NULL) {
             goto fail;
@@ -1579,7 +1602,7 @@ static PyMethodDef alloc_methods[] = {
     {"unsupported", alloc_unsupported, METH_NOARGS, unsupported_doc},
     {"start", alloc_start, METH_VARARGS, start_doc},
     {"stop", alloc_stop, METH_NOARGS, stop_doc},
-    {"drain", alloc_drain, METH_NOARGS, drain_doc},
+    {"drain", alloc_drain, METH_VARARGS, drain_doc},
     {"stats", alloc_stats, METH_NOARGS, stats_doc},
     {"take_span", alloc_take_span, METH_O, take_span_doc},
     {"ignore_thread", alloc_ignore_thread, METH_O, ignore_thread_doc},

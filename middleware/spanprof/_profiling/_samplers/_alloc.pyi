@@ -5,8 +5,11 @@ from types import CodeType, FrameType
 from typing import Any
 
 #: One sample: (id, size, tracked, labels, codes, lastis, truncated, key); the stack is leaf
-#: first, and ``key`` is the same stack as bytes (each frame's code address and offset).
-RawSample = tuple[int, int, bool, object, tuple[CodeType, ...], tuple[int, ...], bool, bytes]
+#: first, and ``key`` is the same stack as bytes (each frame's code address and offset). codes
+#: and lastis are None when ``drain``'s ``known`` has the key.
+RawSample = tuple[
+    int, int, bool, object, tuple[CodeType, ...] | None, tuple[int, ...] | None, bool, bytes
+]
 
 def unsupported() -> str | None:
     """Why allocation sampling cannot run in this interpreter, or None when it can."""
@@ -32,8 +35,9 @@ def take_span(span_id: str, /) -> float:
 def stop() -> bool:
     """Put the previous allocators back; False when another hook sits over these."""
 
-def drain() -> tuple[list[RawSample], list[int]]:
-    """The samples taken, and the ids of tracked samples freed, since the last call."""
+def drain(known: dict[bytes, Any] | None = None, /) -> tuple[list[RawSample], list[int]]:
+    """The samples taken, and the ids of tracked samples freed, since the last call; a sample
+    whose stack key is in ``known`` comes without its frames (codes and lastis None)."""
 
 def ignore_thread(ignore: bool, /) -> bool:
     """Leave the calling thread's allocations unsampled (or not); returns the previous setting."""

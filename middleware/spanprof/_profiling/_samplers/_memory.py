@@ -56,6 +56,7 @@ _Key = tuple[int, LabelSet]
 
 # The longest stretch a drain holds the GIL for before letting other threads run.
 _SLICE_NS = 500_000
+_NOTHING_FREED: frozenset[int] = frozenset()
 
 # The sampler whose hooks are installed in this process, for the fork handler; and whether
 # that handler is registered (once, by the first start()).
@@ -300,14 +301,20 @@ class MemorySampler:
         if _alloc is None:
             return
         started = time.perf_counter_ns()
+        stack_ids = self._stack_ids
         try:
-            samples, freed = _alloc.drain()
+            # Stacks interned already come as their keys alone (most samples: a few call sites
+            # allocate most of the bytes), without tuples of their frames to build and collect.
+            samples, freed = _alloc.drain(stack_ids)
         except MemoryError:
             self.drain_errors += 1
             return
+        # Tracked blocks freed before this drain saw them (asyncio's 256 KiB read buffer,
+        # shrunk as soon as it is read, is one on about every other response): never in use
+        # at a window, so they skip the in-use estimate instead of entering it and leaving.
+        gone = set(freed) if freed else _NOTHING_FREED
         mean = float(self.sample_bytes)
         tables = self._tables
-        stack_ids = self._stack_ids
         allocated = self._allocated
         live = self._live
         inuse = self._inuse
@@ -328,6 +335,8 @@ class MemorySampler:
                     labels = labels if isinstance(labels, LabelSet) else EMPTY
                 sid = stack_ids.get(stack_key)
                 if sid is None:
+                    if codes is None or lastis is None:  # named known, so never: for mypy
+                        continue
                     sid = stack_ids[stack_key] = _intern(tables, codes, lastis)
                 key = (sid, labels)
                 # Sampled with probability p: each sample stands for 1/p blocks like it.
@@ -339,7 +348,7 @@ class MemorySampler:
                 else:
                     counts[0] += objects
                     counts[1] += nbytes
-                if tracked:
+                if tracked and sample_id not in gone:
                     live[sample_id] = (key, objects, nbytes)
                     total = inuse.get(key)
                     if total is None:
