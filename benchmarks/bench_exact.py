@@ -9,8 +9,9 @@ Cost: a trivial Starlette endpoint driven in-process (as in ``bench_request``) i
 process, with no profiler and with the exact profiler (100 Hz, its default 10 s uploads to a
 receiver in the parent: each round's stop flushes one), interleaved round by round; the child
 also reports the sampler's per-tick stall percentiles and the longest single export step. Then
-over HTTP: uvicorn servers without a profiler, with the default one and with it minus memory
-sampling, two processes each, loaded in turn (``_throughput``).
+over HTTP: uvicorn servers without a profiler, with the default one, and with the default taken
+apart (allocation hooks that never sample, memory off, memory off at 1 Hz), two processes each,
+all loaded at once (``_throughput``).
 """
 
 from __future__ import annotations
