@@ -730,3 +730,58 @@ def test_the_cpu_samplers_own_allocations_are_nobodys() -> None:
         if frame.filename.endswith("_signal.py")
     }
     assert handler_files == set()
+
+
+class _Cycle:
+    __slots__ = ("other",)
+    other: _Cycle
+
+
+def make_cycles(seconds: float) -> None:
+    """Garbage in reference cycles, for as long as ``seconds`` of CPU: the collector's work."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        for _ in repeat(None, 20):
+            cycle = _Cycle()
+            cycle.other = cycle
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU sampler needs Linux")
+def test_a_collection_at_the_handlers_edges_is_not_the_requests_memory() -> None:
+    """On 3.12+ a due collection runs at an eval-breaker check: one is on the handler's entry
+    and one after its last call, where the thread's ignore guard is off. What the collection
+    allocates there ran under the handler's frame, in the interrupted request's context, and
+    was sampled as that request's memory, allocated by spanprof's handler."""
+    import gc
+
+    from spanprof._profiling._samplers._signal import Sampler
+
+    labels = LabelSet({"span_id": "d" * 16})
+    threshold = gc.get_threshold()
+    # A collection falls due at every tracked allocation, the handler's own included.
+    gc.set_threshold(1)
+    try:
+        with sampling(sample_bytes=64, max_samples=1_000_000) as memory:
+            cpu = Sampler(sample_rate=250)
+            cpu.start()
+            try:
+                token = LABELS.set(labels)
+                try:
+                    make_cycles(0.3)
+                finally:
+                    LABELS.reset(token)
+            finally:
+                cpu.stop()
+            window = memory.take_window()
+            ticks = cpu.ticks
+    finally:
+        gc.set_threshold(*threshold)
+    assert ticks >= 20
+    assert by_function(window, "make_cycles"), "the application's allocations are missing"
+    in_handler = [
+        [(frame.function, frame.line) for frame in window.stack(sid)[:3]]
+        for (sid, key_labels) in window.values
+        if key_labels == labels
+        and any(frame.filename.endswith("_signal.py") for frame in window.stack(sid))
+    ]
+    assert in_handler == []

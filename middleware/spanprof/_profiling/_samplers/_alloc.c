@@ -237,6 +237,13 @@ static uint64_t n_span_expired;   /* spans swept unended */
 /* Set while this thread is inside the module (sampling, or drain() building objects). */
 static _Thread_local int in_module;
 
+/* The CPU sampler's signal handler's code (strong reference), or NULL. The interpreter runs its
+ * pending work, a due collection among it, at the eval-breaker checks on the handler's entry and
+ * after its last call, where the thread's ignore guard is off: what a collection's finalizers
+ * allocate there would show under the handler's frame, with the interrupted request's labels.
+ * An allocation whose leaf Python frame runs this code is not sampled (counted as reentered). */
+static PyObject *ignored_leaf;
+
 /* --- random gaps ----------------------------------------------------------------------------- */
 
 static uint64_t
@@ -615,6 +622,26 @@ capture_stack(PyThreadState *tstate, raw_frame_t *out, uint8_t *truncated)
     return n;
 }
 
+/* The code of the thread's leaf Python frame (borrowed), or NULL. No allocation, no call. */
+static PyObject *
+leaf_code(PyThreadState *tstate)
+{
+#if PY_VERSION_HEX < 0x030B0000
+    return tstate->frame != NULL ? (PyObject *)tstate->frame->f_code : NULL;
+#elif ALLOC_FRAMES_KNOWN
+    PyCodeObject *code = NULL;
+#  if PY_VERSION_HEX >= 0x030D0000
+    _PyInterpreterFrame *frame = shown_frame(tstate->current_frame, &code);
+#  else
+    _PyInterpreterFrame *frame = shown_frame(tstate->cframe->current_frame, &code);
+#  endif
+    return frame != NULL ? (PyObject *)code : NULL;
+#else
+    (void)tstate;
+    return NULL;
+#endif
+}
+
 /* The allocating context's labels (a new reference), or NULL.
  *
  * PyContextVar_Get caches what it finds in the variable: a borrowed reference, trusted while
@@ -663,6 +690,10 @@ sample_block(void *ptr, size_t size)
     tstate = ALLOC_TSTATE();
     if (tstate == NULL || !in_main_interpreter(tstate)) {
         n_foreign++;
+        return;
+    }
+    if (ignored_leaf != NULL && leaf_code(tstate) == ignored_leaf) {
+        n_reentered++;
         return;
     }
     in_module = 1;
@@ -1415,6 +1446,27 @@ alloc_ignore_thread(PyObject *Py_UNUSED(module), PyObject *arg)
     return PyBool_FromLong(previous);
 }
 
+PyDoc_STRVAR(ignore_leaf_doc,
+"ignore_leaf(code) -> None\n"
+"--\n"
+"\n"
+"Leave unsampled the allocations made while ``code`` runs in the leaf Python frame: the CPU\n"
+"sampler's signal handler, at whose edges the interpreter runs pending work (a collection's\n"
+"finalizers) that is nobody's. ``None``: sample them all again.");
+
+static PyObject *
+alloc_ignore_leaf(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    if (arg != Py_None && !PyCode_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "ignore_leaf: expected a code object or None, got %.100s",
+                     Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    /* The old reference goes last: its release may free through the hooks, which read this. */
+    Py_XSETREF(ignored_leaf, arg == Py_None ? NULL : Py_NewRef(arg));
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(stats_doc,
 "stats() -> dict[str, int]\n"
 "--\n"
@@ -1606,6 +1658,7 @@ static PyMethodDef alloc_methods[] = {
     {"stats", alloc_stats, METH_NOARGS, stats_doc},
     {"take_span", alloc_take_span, METH_O, take_span_doc},
     {"ignore_thread", alloc_ignore_thread, METH_O, ignore_thread_doc},
+    {"ignore_leaf", alloc_ignore_leaf, METH_O, ignore_leaf_doc},
     {"allocator", alloc_allocator, METH_O, allocator_doc},
     {"addr2line", alloc_addr2line, METH_VARARGS, addr2line_doc},
     {NULL, NULL, 0, NULL},

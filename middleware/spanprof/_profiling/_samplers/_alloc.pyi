@@ -42,6 +42,9 @@ def drain(known: dict[bytes, Any] | None = None, /) -> tuple[list[RawSample], li
 def ignore_thread(ignore: bool, /) -> bool:
     """Leave the calling thread's allocations unsampled (or not); returns the previous setting."""
 
+def ignore_leaf(code: CodeType | None, /) -> None:
+    """Leave unsampled the allocations made while ``code`` runs in the leaf Python frame."""
+
 def stats() -> dict[str, int]:
     """Counters since start()."""
 

@@ -71,11 +71,15 @@ from .._window import StackTables, Window
 from ._timer import CLOCK_MONOTONIC, CLOCK_PROCESS_CPUTIME_ID, ThreadTimer
 
 try:
+    from ._alloc import ignore_leaf as _ignore_leaf_allocations
     from ._alloc import ignore_thread as _ignore_allocations
 except ImportError:  # built without a compiler: no allocation sampling to keep out of
 
     def _ignore_allocations(ignore: bool, /) -> bool:
         return False
+
+    def _ignore_leaf_allocations(code: CodeType | None, /) -> None:
+        pass
 
 
 _c_current_frames_gc_off: Callable[[], dict[int, FrameType]] | None = (
@@ -510,6 +514,7 @@ class Sampler:
         self._ident = os_thread_ident()
         self._main_ident = self._ident()
         self._pid = os.getpid()
+        _ignore_leaf_allocations(_HANDLER_CODE)
         signal.signal(self.signum, self._on_signal)
 
     def _check_signal(self) -> Any:
@@ -614,6 +619,7 @@ class Sampler:
             _quiet_wakeup_fd()
         try:
             if in_main:
+                _ignore_leaf_allocations(_HANDLER_CODE)
                 signal.signal(self.signum, self._on_signal)
             self._pid = pid
             self._directed = directed
@@ -696,6 +702,7 @@ class Sampler:
             return  # someone installed another handler meanwhile: theirs stays
         signal.signal(self.signum, signal.SIG_IGN)
         signal.signal(self.signum, self._previous_handler)
+        _ignore_leaf_allocations(None)
 
     # --- the label engine's hook (any thread) ---------------------------------------------------
 
@@ -1173,6 +1180,12 @@ def _active_thread(ident: int) -> threading.Thread | None:
     # Not threading.enumerate(): see Sampler._tick.
     active: dict[int, threading.Thread] = getattr(threading, "_active", {})
     return active.get(ident)
+
+
+#: The signal handler's code. The interpreter runs pending work (a due collection, whose
+#: finalizers may allocate) at the handler's entry and after its last call, outside the
+#: thread's ignore guard: the allocation sampler leaves out what is allocated there.
+_HANDLER_CODE = Sampler._on_signal.__code__
 
 
 def _is_sampler_handler(handler: object) -> bool:
