@@ -574,6 +574,17 @@ shown_frame(_PyInterpreterFrame *frame, PyCodeObject **code)
     }
     return NULL;
 }
+
+/* The thread's leaf frame that shows on Python's stack, with its code in *code; or NULL. */
+static inline _PyInterpreterFrame *
+leaf_frame(PyThreadState *tstate, PyCodeObject **code)
+{
+#  if PY_VERSION_HEX >= 0x030D0000
+    return shown_frame(tstate->current_frame, code);
+#  else
+    return shown_frame(tstate->cframe->current_frame, code);
+#  endif
+}
 #endif
 
 /* Copy up to max_frames frames of the thread's stack, leaf first, into `out`. Returns the count;
@@ -598,11 +609,7 @@ capture_stack(PyThreadState *tstate, raw_frame_t *out, uint8_t *truncated)
     }
 #elif ALLOC_FRAMES_KNOWN
     PyCodeObject *code;
-#  if PY_VERSION_HEX >= 0x030D0000
-    _PyInterpreterFrame *frame = shown_frame(tstate->current_frame, &code);
-#  else
-    _PyInterpreterFrame *frame = shown_frame(tstate->cframe->current_frame, &code);
-#  endif
+    _PyInterpreterFrame *frame = leaf_frame(tstate, &code);
     for (; frame != NULL; frame = shown_frame(frame->previous, &code)) {
         int lasti;
         if (n == max_frames) {
@@ -630,12 +637,7 @@ leaf_code(PyThreadState *tstate)
     return tstate->frame != NULL ? (PyObject *)tstate->frame->f_code : NULL;
 #elif ALLOC_FRAMES_KNOWN
     PyCodeObject *code = NULL;
-#  if PY_VERSION_HEX >= 0x030D0000
-    _PyInterpreterFrame *frame = shown_frame(tstate->current_frame, &code);
-#  else
-    _PyInterpreterFrame *frame = shown_frame(tstate->cframe->current_frame, &code);
-#  endif
-    return frame != NULL ? (PyObject *)code : NULL;
+    return leaf_frame(tstate, &code) != NULL ? (PyObject *)code : NULL;
 #else
     (void)tstate;
     return NULL;

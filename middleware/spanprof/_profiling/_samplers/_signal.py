@@ -514,6 +514,11 @@ class Sampler:
         self._ident = os_thread_ident()
         self._main_ident = self._ident()
         self._pid = os.getpid()
+        self._install_handler()
+
+    def _install_handler(self) -> None:
+        # Main thread only. The allocation sampler leaves the handler's frame out first, so that
+        # no tick runs before it does.
         _ignore_leaf_allocations(_HANDLER_CODE)
         signal.signal(self.signum, self._on_signal)
 
@@ -619,8 +624,7 @@ class Sampler:
             _quiet_wakeup_fd()
         try:
             if in_main:
-                _ignore_leaf_allocations(_HANDLER_CODE)
-                signal.signal(self.signum, self._on_signal)
+                self._install_handler()
             self._pid = pid
             self._directed = directed
             self._running = True
