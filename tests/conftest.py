@@ -146,6 +146,10 @@ def labels_of(value: Any) -> dict[str, str]:
     return dict(value)
 
 
+# Indices for the memory tests' functions that fill a preallocated list, made once at import,
+# outside any sampling: iterating range() would allocate an int (above 256) per item.
+ALLOC_INDICES = tuple(range(20_000))
+
 # The allocation sampler walks the interpreter's frames itself; it knows 3.10-3.15's layouts.
 MEMORY_SAMPLED = sys.version_info < (3, 16)
 MEMORY_VERSIONS = pytest.mark.skipif(

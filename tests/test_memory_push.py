@@ -32,7 +32,7 @@ from spanprof._profiling._runtime import ProfilerRuntime
 from spanprof._profiling._samplers._memory import MemorySampler, memory_unavailable_reason
 from spanprof._profiling._window import MemoryWindow, StackTables, Window
 
-from .conftest import AGENT_ENV, MEMORY_VERSIONS, require
+from .conftest import AGENT_ENV, ALLOC_INDICES, MEMORY_VERSIONS, require
 from .e2e.markers import MARKERS
 from .e2e.server import ROOT
 from .recording_server import RecordingServer
@@ -43,17 +43,13 @@ KEPT = LabelSet({"span_id": "00000000000000a1", "trace_id": "0" * 31 + "1", "spa
 FREED = LabelSet({"span_id": "00000000000000b2", "trace_id": "0" * 31 + "2", "span_name": "f"})
 
 
-# Made once at import, outside any span: an int above 256 is an allocation of its own.
-_INDICES = tuple(range(20_000))
-
-
 def keeps_memory(count: int) -> list[bytes]:
     # Only the blocks are this function's allocations. A list grown by appends would reallocate
     # its array about 90 times, 1.4 MB for 20,000 items, which on 3.12+ (where the MEM domain
     # is sampled) is 7% over the bytes the tests count; ``range`` would allocate 20,000 ints
-    # (2.7%). One preallocated array is 160 KB (0.8%, 3.12+ only).
+    # (2.7%), hence ALLOC_INDICES. One preallocated array is 160 KB (0.8%, 3.12+ only).
     kept = [b""] * count
-    for i in islice(_INDICES, count):
+    for i in islice(ALLOC_INDICES, count):
         kept[i] = bytes(1000)
     return kept
 

@@ -27,7 +27,7 @@ from spanprof._profiling._samplers._memory import (
 )
 from spanprof._profiling._window import MemoryWindow
 
-from .conftest import IN_CI, MEMORY_VERSIONS, require
+from .conftest import ALLOC_INDICES, IN_CI, MEMORY_VERSIONS, require
 
 pytestmark = [pytest.mark.engine, MEMORY_VERSIONS]
 
@@ -90,9 +90,8 @@ def total(rows: dict[LabelSet, list[float]], column: int) -> float:
 # The list's array goes through PyMem (sampled on 3.12+): grown by appends it is reallocated
 # about 90 times for 20,000 items, 7% over the blocks' bytes; so the lists whose allocated
 # bytes are counted against a truth are made at their full size first (one array, 0.8%),
-# filled through indices made once at import.
+# filled through indices made once at import (ALLOC_INDICES).
 LIST_OVERHEAD = 0.03
-_INDICES = tuple(range(20_000))
 
 
 def churn(count: int) -> None:
@@ -107,7 +106,7 @@ def keep_blocks(count: int) -> list[bytes]:
 
 def drop_blocks(count: int) -> None:
     blocks = [b""] * count
-    for i in islice(_INDICES, count):
+    for i in islice(ALLOC_INDICES, count):
         blocks[i] = bytes(PAYLOAD)
     del blocks
 
@@ -585,7 +584,7 @@ def test_drain_thread_keeps_the_buffer_from_filling() -> None:
 
 def span_allocates(count: int) -> list[bytes]:
     blocks = [b""] * count
-    for i in islice(_INDICES, count):
+    for i in islice(ALLOC_INDICES, count):
         blocks[i] = bytes(PAYLOAD)
     return blocks
 
@@ -701,35 +700,44 @@ def spin_labelled(seconds: float) -> None:
         n += 1
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU sampler needs Linux")
-def test_the_cpu_samplers_own_allocations_are_nobodys() -> None:
-    """The SIGPROF handler runs in the interrupted request's context: what it allocates (its
-    stack walk, its window) must not be sampled as that request's memory."""
+def under_cpu_sampler(labels: LabelSet, work: Callable[[], None]) -> tuple[MemoryWindow, int]:
+    """``work`` run in ``labels`` under the CPU sampler at 250 Hz, with an allocation sample
+    every 64 bytes or so: the memory window, and the ticks that ran."""
     from spanprof._profiling._samplers._signal import Sampler
 
-    labels = LabelSet({"span_id": "c" * 16})
     with sampling(sample_bytes=64, max_samples=1_000_000) as memory:
         cpu = Sampler(sample_rate=250)
         cpu.start()
         try:
             token = LABELS.set(labels)
             try:
-                spin_labelled(0.3)
+                work()
             finally:
                 LABELS.reset(token)
         finally:
             cpu.stop()
-        window = memory.take_window()
-        ticks = cpu.ticks
-    assert ticks >= 10
-    handler_files = {
-        frame.filename
+        return memory.take_window(), cpu.ticks
+
+
+def handler_stacks(window: MemoryWindow, labels: LabelSet) -> list[list[tuple[str, int]]]:
+    """The top frames of each stack sampled in ``labels`` that passes through the CPU sampler's
+    module: its signal handler's allocations, counted as the request's."""
+    return [
+        [(frame.function, frame.line) for frame in window.stack(sid)[:3]]
         for (sid, key_labels) in window.values
         if key_labels == labels
-        for frame in window.stack(sid)
-        if frame.filename.endswith("_signal.py")
-    }
-    assert handler_files == set()
+        and any(frame.filename.endswith("_signal.py") for frame in window.stack(sid))
+    ]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU sampler needs Linux")
+def test_the_cpu_samplers_own_allocations_are_nobodys() -> None:
+    """The SIGPROF handler runs in the interrupted request's context: what it allocates (its
+    stack walk, its window) must not be sampled as that request's memory."""
+    labels = LabelSet({"span_id": "c" * 16})
+    window, ticks = under_cpu_sampler(labels, lambda: spin_labelled(0.3))
+    assert ticks >= 10
+    assert handler_stacks(window, labels) == []
 
 
 class _Cycle:
@@ -754,34 +762,14 @@ def test_a_collection_at_the_handlers_edges_is_not_the_requests_memory() -> None
     was sampled as that request's memory, allocated by spanprof's handler."""
     import gc
 
-    from spanprof._profiling._samplers._signal import Sampler
-
     labels = LabelSet({"span_id": "d" * 16})
     threshold = gc.get_threshold()
     # A collection falls due at every tracked allocation, the handler's own included.
     gc.set_threshold(1)
     try:
-        with sampling(sample_bytes=64, max_samples=1_000_000) as memory:
-            cpu = Sampler(sample_rate=250)
-            cpu.start()
-            try:
-                token = LABELS.set(labels)
-                try:
-                    make_cycles(0.3)
-                finally:
-                    LABELS.reset(token)
-            finally:
-                cpu.stop()
-            window = memory.take_window()
-            ticks = cpu.ticks
+        window, ticks = under_cpu_sampler(labels, lambda: make_cycles(0.3))
     finally:
         gc.set_threshold(*threshold)
     assert ticks >= 20
     assert by_function(window, "make_cycles"), "the application's allocations are missing"
-    in_handler = [
-        [(frame.function, frame.line) for frame in window.stack(sid)[:3]]
-        for (sid, key_labels) in window.values
-        if key_labels == labels
-        and any(frame.filename.endswith("_signal.py") for frame in window.stack(sid))
-    ]
-    assert in_handler == []
+    assert handler_stacks(window, labels) == []
