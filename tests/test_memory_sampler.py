@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import importlib
 import importlib.util
 import math
@@ -255,6 +256,116 @@ def test_frees_of_tracked_blocks_that_share_a_filter_bit_are_all_seen() -> None:
     assert total(by_function(later, "keep_blocks"), 3) == 0, stats
 
 
+_FREES_SCRIPT = """
+import sys
+from itertools import repeat
+from spanprof._profiling._samplers._memory import MemorySampler
+
+def small(count):
+    return [bytes(100) for _ in repeat(None, count)]  # pymalloc blocks (512 bytes or less)
+
+small(10)
+sampler = MemorySampler(sample_bytes=1, max_samples=100_000, drain_interval=3600.0, seed=7)
+sampler.start()
+try:
+    before = sampler.stats()["tracked"]
+    kept = small(4000)
+    dropped = small(4000)
+    with_both = sampler.stats()["tracked"]
+    del dropped
+    after_drop = sampler.stats()["tracked"]
+    del kept
+    after_all = sampler.stats()["tracked"]
+    mode = sampler.stats()["frees_via_raw"]
+    sampler.take_window()
+finally:
+    sampler.stop()
+print(int(mode), int(with_both - before), int(with_both - after_drop), int(with_both - after_all))
+"""
+
+
+@pytest.mark.parametrize(
+    ("allocator", "via_raw"), [(None, 1), ("malloc", 0), ("pymalloc_debug", 0), ("debug", 0)]
+)
+def test_every_sampled_small_block_is_seen_freed_under_each_allocator(
+    allocator: str | None, via_raw: int
+) -> None:
+    """Under the default allocators a sampled block is asked for past pymalloc's pools, so that
+    its free reaches the RAW hook; under any other (PYTHONMALLOC) the free hooks stay. Either
+    way every sampled pymalloc-sized block that is freed leaves the in-use table."""
+    _available()
+    env = dict(os.environ)
+    env.pop("PYTHONMALLOC", None)
+    if allocator is not None:
+        env["PYTHONMALLOC"] = allocator
+    result = subprocess.run(
+        [sys.executable, "-c", _FREES_SCRIPT], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    mode, tracked, freed_half, freed_all = map(int, result.stdout.split())
+    assert mode == via_raw, result.stdout
+    # Every block is sampled (1 byte on average between samples): 8,000 blocks, and the two
+    # lists' arrays and the interpreter's own blocks around them. The counts between are
+    # taken by calls that allocate (and keep) a few blocks of their own; an unseen free would
+    # keep one of the 4,000 in the table each.
+    assert tracked >= 8000, result.stdout
+    assert freed_half >= 3990, result.stdout
+    assert freed_all >= 7980, result.stdout
+
+
+def test_frees_without_the_gil_never_touch_the_table() -> None:
+    """RAW is called by threads that do not hold the GIL (ctypes releases it around a call).
+    With every filter bit set, each of their frees passes the filter, and must still leave the
+    table (guarded by the GIL) alone: no probe, and every tracked block still tracked."""
+    _available()
+    import ctypes
+
+    libc_view = ctypes.CDLL(None)  # a CDLL call runs without the GIL
+    raw_malloc, raw_free = libc_view.PyMem_RawMalloc, libc_view.PyMem_RawFree
+    raw_malloc.restype, raw_malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    raw_free.restype, raw_free.argtypes = None, [ctypes.c_void_p]
+    calls = 5000
+
+    def churn_raw() -> None:
+        for _ in repeat(None, calls):
+            raw_free(raw_malloc(700))
+
+    warm_up()
+    with sampling(sample_bytes=4096, filter_bits=6) as sampler:
+        kept = keep_blocks(2_000)  # 64 filter bits, about 500 tracked blocks: all set
+        before = sampler.stats()
+        assert before["tracked"] > 300, before
+        threads = [threading.Thread(target=churn_raw) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        after = sampler.stats()
+        assert sampler.stats()["frees_via_raw"] == 1
+        # The threads' own Python code (with the GIL) has a few hundred blocks sampled and
+        # freed; without the guard each of their 20,000 GIL-less frees would probe too.
+        assert after["probes"] - before["probes"] < calls, (before, after)
+        assert after["tracked"] >= before["tracked"], (before, after)
+        del kept
+
+
+def test_sampled_blocks_keep_the_interpreters_block_count() -> None:
+    """Sampled blocks are still asked of pymalloc (which hands them to RAW and counts them):
+    sys.getallocatedblocks() is the same before sampling and after, however many were sampled
+    (a sampled block allocated around pymalloc would be counted freed but never allocated)."""
+    warm_up()
+    small_churn(10)
+    gc.collect()
+    before = sys.getallocatedblocks()
+    with sampling(sample_bytes=1, max_samples=100_000) as sampler:
+        small_churn(50_000)
+        sampled = sampler.stats()["samples"]
+        sampler.take_window()
+    assert sampled >= 50_000
+    gc.collect()
+    assert abs(sys.getallocatedblocks() - before) < 1_000
+
+
 def test_labels_are_the_allocating_tasks_while_tasks_interleave() -> None:
     """Two asyncio tasks take turns every few blocks: each sample carries its own task's labels."""
     a = LabelSet({"span_id": "a" * 16})
@@ -440,16 +551,24 @@ def test_the_samplers_own_allocations_are_not_sampled() -> None:
 
 
 def test_stop_restores_the_previous_allocators() -> None:
-    """start() wraps the OBJ (and MEM) allocator; stop() puts exactly the previous ones back."""
+    """start() wraps the OBJ (and MEM) allocator, and RAW's frees under the default allocators;
+    stop() puts exactly the previous ones back."""
     _available()
     alloc = importlib.import_module("spanprof._profiling._samplers._alloc")
     before = [alloc.allocator(domain) for domain in (0, 1, 2)]
-    with sampling():
+    with sampling() as sampler:
         during = [alloc.allocator(domain) for domain in (0, 1, 2)]
-        assert during[0] == before[0], "the RAW domain is never hooked"
-        assert during[2] != before[2]
+        assert sampler.stats()["frees_via_raw"] == 1, "this suite runs the default allocators"
+        # RAW: the same ctx, malloc and calloc; its realloc and free are ours.
+        assert during[0][:3] == before[0][:3]
+        assert during[0][3] != before[0][3]
+        assert during[0][4] != before[0][4]
+        # OBJ: ours, but for the free, which goes straight to pymalloc.
+        assert during[2][1] != before[2][1]
+        assert during[2][4] == before[2][4]
         if sys.version_info >= (3, 12):
-            assert during[1] != before[1]
+            assert during[1][1] != before[1][1]
+            assert during[1][4] == before[1][4]
         else:
             assert during[1] == before[1]
     assert [alloc.allocator(domain) for domain in (0, 1, 2)] == before

@@ -2,7 +2,7 @@
  *
  * A hook wraps CPython's object allocator (PYMEM_DOMAIN_OBJ; PYMEM_DOMAIN_MEM too on 3.12+,
  * where every allocator must be thread-safe and MEM is called with an attached thread state;
- * never RAW, which may run without one). It samples by bytes: a countdown drawn from an
+ * RAW, which may run without one, is never sampled). It samples by bytes: a countdown drawn from an
  * exponential distribution of mean `mean_bytes` is decremented by each block's size, and the
  * block that takes it past zero is sampled; so a block of s bytes is sampled with
  * probability 1 - exp(-s / mean), whatever the sizes around it (a Poisson process over the
@@ -19,6 +19,19 @@
  * - for in-use memory, its address in a bounded open-addressing table (address -> sample id).
  *   A full table leaves the sample out of in-use and counts it; a freed sampled block leaves
  *   the table and its id goes to a preallocated list of frees.
+ *
+ * Frees. Most blocks are freed before anything samples near them, so the free path is the
+ * hooks' main cost: with a free hook on OBJ, about two thirds of it (a 100 KB JSON request
+ * frees some 20,000 blocks). Where the allocators are CPython's defaults (pymalloc over
+ * malloc), a sampled block is instead allocated just past pymalloc's small-block limit, which
+ * pymalloc hands to PyMem_RawMalloc and, when freed or moved, to PyMem_RawFree or
+ * PyMem_RawRealloc: every sampled block leaves through RAW. The OBJ and MEM frees then go
+ * straight to pymalloc, and a hook on RAW's free and realloc (never its malloc) forgets the
+ * tracked blocks; a sampled block costs a few hundred bytes of padding. RAW runs without the
+ * GIL too: its hooks read only the filter (never freed, see filter_t), and touch the table
+ * only in a thread that holds the GIL, the only kind that can free a tracked block (OBJ and
+ * MEM are called with it). Under any other allocator (PYTHONMALLOC=malloc, debug hooks, a
+ * hook installed before ours), OBJ and MEM keep a free hook of their own.
  *
  * Nothing in a hook calls Python code, sets or clears an exception, or releases a reference.
  * drain() (called with the GIL, outside any hook, by the Python side's drain thread) swaps the
@@ -38,6 +51,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#ifdef __linux__
+#  include <dlfcn.h>  /* dlsym: allocators_are_pymalloc */
+#endif
 #if defined(__linux__) && __SIZEOF_LONG__ == 8
 /* 64-bit Linux: the kernel's itimerspec is libc's, so timer_settime is one raw syscall (no
  * librt to link on older glibc); timer ids made by timer_create(SIGEV_THREAD_ID) are the
@@ -139,12 +155,22 @@ typedef struct {
 
 typedef struct {
     PyMemAllocatorEx previous;
+    PyMemAllocatorEx ours;    /* what install() put in place, for is_ours() */
     PyMemAllocatorDomain domain;
     int installed;
 } domain_hook_t;
 
 static domain_hook_t hook_obj = {.domain = PYMEM_DOMAIN_OBJ};
 static domain_hook_t hook_mem = {.domain = PYMEM_DOMAIN_MEM};
+/* Only where frees_via_raw: its free and realloc, to forget tracked blocks. */
+static domain_hook_t hook_raw = {.domain = PYMEM_DOMAIN_RAW};
+
+/* pymalloc serves requests of up to this many bytes from its pools and hands larger ones to
+ * PyMem_RawMalloc (SMALL_REQUEST_THRESHOLD in Objects/obmalloc.c, 512 since 3.8, checked up to
+ * 3.15: frees_via_raw is off on versions not checked). */
+#define PYMALLOC_SMALL_MAX 512
+/* Sampled blocks leave through RAW (see the top of this file): set at start(). */
+static int frees_via_raw;
 
 /* Sampling on: the slow paths and the free path consult this first. */
 static int active;
@@ -187,11 +213,24 @@ static int table_bits;
  * hands a freed block's address straight back out: a stale bit would cost a probe on nearly
  * every free of its size class. */
 #define MIN_FILTER_BITS 20
+#define MAX_FILTER_BITS 30
+/* The words and their mask in one block, published by one pointer store: the RAW hooks read
+ * the filter without the GIL, so a reader must never pair one filter's mask with another's
+ * words, nor read a filter that was freed. Filters are never freed: each size is allocated
+ * once and reused by the next start() that asks for it (one size in production; tests ask for
+ * small ones too). */
+typedef struct {
+    uint64_t word_mask;       /* the filter's words - 1 */
+    uint64_t words[];
+} filter_t;
 /* The filter while there is no table (before start, after stop, hooks left idle): one word all
  * clear, which every address maps to, so the free path needs no other test. */
-static uint64_t zero_filter[1];
-static uint64_t *filter = zero_filter;
-static uint64_t filter_word_mask = 0;  /* the filter's words - 1 */
+static union {
+    filter_t filter;
+    uint64_t storage[2];
+} zero_filter;
+static filter_t *filter = &zero_filter.filter;
+static filter_t *filters_made[MAX_FILTER_BITS + 1];  /* by bits: kept for the process's life */
 static uint32_t max_tracked;
 static uint32_t ntracked;
 
@@ -280,7 +319,7 @@ next_gap(void)
 static inline uint64_t
 filter_bit(uintptr_t ptr)
 {
-    return ((uint64_t)ptr >> 4) & ((filter_word_mask << 6) | 63);
+    return ((uint64_t)ptr >> 4) & ((filter->word_mask << 6) | 63);
 }
 
 static inline uint64_t
@@ -293,15 +332,17 @@ slot_of(uintptr_t ptr)
 static inline int
 filter_may_hold(uintptr_t ptr)
 {
+    /* One load of the pointer: a RAW hook may run while start() or stop() swaps it. */
+    const filter_t *f = __atomic_load_n(&filter, __ATOMIC_ACQUIRE);
     uint64_t granule = (uint64_t)ptr >> 4;
-    return (filter[(granule >> 6) & filter_word_mask] >> (granule & 63)) & 1;
+    return (f->words[(granule >> 6) & f->word_mask] >> (granule & 63)) & 1;
 }
 
 static inline void
 filter_add(uintptr_t ptr)
 {
     uint64_t bit = filter_bit(ptr);
-    filter[bit >> 6] |= 1ULL << (bit & 63);
+    filter->words[bit >> 6] |= 1ULL << (bit & 63);
 }
 
 /* `ptr` left the table: clear its bit unless another tracked address has it. Those all have
@@ -316,7 +357,7 @@ filter_forget(uintptr_t ptr)
         }
         i = (i + 1) & table_mask;
     }
-    filter[bit >> 6] &= ~(1ULL << (bit & 63));
+    filter->words[bit >> 6] &= ~(1ULL << (bit & 63));
 }
 
 /* 1 if tracked, 0 if the table is full. An address already in the table (a free we never saw)
@@ -750,7 +791,7 @@ countdown_reached(void *ptr, size_t size)
     }
 }
 
-/* The slow part of forget(): `ptr` may be tracked. */
+/* The slow part of forget(): `ptr` may be tracked. With the GIL (the caller checked). */
 static __attribute__((noinline)) void
 forget_tracked(void *ptr)
 {
@@ -786,17 +827,79 @@ may_be_tracked(void *ptr)
     return __builtin_expect(filter_may_hold((uintptr_t)ptr), 0);
 }
 
+/* Whether the calling thread holds the GIL: a RAW call may come from a thread that does not. */
+static inline int
+holds_gil(void)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    /* 3.12+: the thread's own attached thread state, NULL while it runs without the GIL. */
+    return ALLOC_TSTATE() != NULL;
+#else
+    /* Before 3.12 the current thread state is the GIL holder's, whoever asks: compare it with
+     * this thread's own (a pointer compare; neither is read through). */
+    PyThreadState *holder = ALLOC_TSTATE();
+    return holder != NULL && holder == PyGILState_GetThisThreadState();
+#endif
+}
+
+/* The block to ask the allocator for when `size` bytes are sampled: past pymalloc's pools
+ * where sampled blocks leave through RAW. */
+static inline size_t
+sampled_request(size_t size)
+{
+    return frees_via_raw && size <= PYMALLOC_SMALL_MAX ? PYMALLOC_SMALL_MAX + 1 : size;
+}
+
 static __attribute__((noinline)) void *
 malloc_sampled(domain_hook_t *hook, size_t size)
 {
-    void *ptr = hook->previous.malloc(hook->previous.ctx, size);
+    void *ptr = hook->previous.malloc(hook->previous.ctx, sampled_request(size));
     countdown_reached(ptr, size);
     return ptr;
 }
 
+static __attribute__((noinline)) void *
+calloc_sampled(domain_hook_t *hook, size_t nelem, size_t elsize)
+{
+    /* calloc checked nelem * elsize for overflow before it succeeded. */
+    size_t size = nelem * elsize, asked = sampled_request(size);
+    void *ptr = asked == size ? hook->previous.calloc(hook->previous.ctx, nelem, elsize)
+                              : hook->previous.calloc(hook->previous.ctx, 1, asked);
+    countdown_reached(ptr, size);
+    return ptr;
+}
+
+/* Without frees_via_raw, the old block is forgotten here (with it, RAW's realloc saw it). */
+static inline void
+realloc_forget(void *old)
+{
+    if (!frees_via_raw && may_be_tracked(old)) {
+        forget_tracked(old);
+    }
+}
+
+static __attribute__((noinline)) void *
+realloc_sampled(domain_hook_t *hook, void *old, size_t new_size)
+{
+    void *ptr = hook->previous.realloc(hook->previous.ctx, old, sampled_request(new_size));
+    if (ptr != NULL) {
+        realloc_forget(old);
+    }
+    countdown_reached(ptr, new_size);
+    return ptr;
+}
+
+static __attribute__((noinline)) void
+free_tracked(domain_hook_t *hook, void *ptr)
+{
+    forget_tracked(ptr);
+    hook->previous.free(hook->previous.ctx, ptr);
+}
+
 /* The hooks of one domain. Each reads the previous allocator from its domain's static struct
  * (an address the linker knows) rather than through ctx, so the pass-through is two
- * instructions: load the previous ctx, jump through the previous function. */
+ * instructions: load the previous ctx, jump through the previous function. The free hook is
+ * installed only without frees_via_raw. */
 #define DOMAIN_HOOKS(NAME, HOOK)                                                                 \
     static void *hook_malloc_##NAME(void *Py_UNUSED(ctx), size_t size)                            \
     {                                                                                            \
@@ -821,17 +924,16 @@ malloc_sampled(domain_hook_t *hook, size_t size)
                                                                                                  \
     static void *hook_realloc_##NAME(void *Py_UNUSED(ctx), void *old, size_t new_size)            \
     {                                                                                            \
-        void *ptr = HOOK.previous.realloc(HOOK.previous.ctx, old, new_size);                     \
+        void *ptr;                                                                               \
+        /* The old block is gone (moved or resized): a new block of new_size takes its place,    \
+         * sampled before the call, so that a sampled one is asked for where it leaves through   \
+         * RAW. Only the old address is looked at, so forgetting it after the call is safe. */   \
+        if (COUNT_DOWN(new_size)) {                                                              \
+            return realloc_sampled(&HOOK, old, new_size);                                        \
+        }                                                                                        \
+        ptr = HOOK.previous.realloc(HOOK.previous.ctx, old, new_size);                           \
         if (ptr != NULL) {                                                                       \
-            /* The old block is gone (moved or resized): a new block of new_size takes its       \
-             * place. Only the old address is looked at, so forgetting it after the call is     \
-             * safe. */                                                                          \
-            if (may_be_tracked(old)) {                                                           \
-                forget_tracked(old);                                                             \
-            }                                                                                    \
-            if (COUNT_DOWN(new_size)) {                                                          \
-                countdown_reached(ptr, new_size);                                                \
-            }                                                                                    \
+            realloc_forget(old);                                                                 \
         }                                                                                        \
         return ptr;                                                                              \
     }                                                                                            \
@@ -848,24 +950,44 @@ malloc_sampled(domain_hook_t *hook, size_t size)
         HOOK.previous.free(HOOK.previous.ctx, ptr);                                              \
     }
 
-static __attribute__((noinline)) void *
-calloc_sampled(domain_hook_t *hook, size_t nelem, size_t elsize)
+DOMAIN_HOOKS(obj, hook_obj)
+DOMAIN_HOOKS(mem, hook_mem)
+
+/* RAW: a tracked block leaving, or (without the GIL, or untracked) anything else. */
+static __attribute__((noinline)) void
+raw_forget(void *ptr)
 {
-    void *ptr = hook->previous.calloc(hook->previous.ctx, nelem, elsize);
-    /* calloc checked nelem * elsize for overflow before it succeeded. */
-    countdown_reached(ptr, nelem * elsize);
-    return ptr;
+    if (holds_gil()) {
+        forget_tracked(ptr);
+    }
 }
 
 static __attribute__((noinline)) void
-free_tracked(domain_hook_t *hook, void *ptr)
+raw_free_tracked(void *ptr)
 {
-    forget_tracked(ptr);
-    hook->previous.free(hook->previous.ctx, ptr);
+    raw_forget(ptr);
+    hook_raw.previous.free(hook_raw.previous.ctx, ptr);
 }
 
-DOMAIN_HOOKS(obj, hook_obj)
-DOMAIN_HOOKS(mem, hook_mem)
+static void
+hook_free_raw(void *Py_UNUSED(ctx), void *ptr)
+{
+    if (may_be_tracked(ptr)) {
+        raw_free_tracked(ptr);
+        return;
+    }
+    hook_raw.previous.free(hook_raw.previous.ctx, ptr);
+}
+
+static void *
+hook_realloc_raw(void *Py_UNUSED(ctx), void *old, size_t new_size)
+{
+    void *ptr = hook_raw.previous.realloc(hook_raw.previous.ctx, old, new_size);
+    if (ptr != NULL && may_be_tracked(old)) {
+        raw_forget(old);
+    }
+    return ptr;
+}
 
 static const PyMemAllocatorEx ours_obj = {
     .ctx = &hook_obj,
@@ -902,11 +1024,10 @@ static void
 free_state(void)
 {
     int i;
-    uint64_t *bits = filter;
     /* First: the releases below free objects through the hooks, whose free path must then
-     * find no bit set (and so never look for the table). */
-    filter_word_mask = 0;
-    filter = zero_filter;
+     * find no bit set (and so never look for the table). The filter stays allocated: a RAW
+     * hook may still be reading it. */
+    __atomic_store_n(&filter, &zero_filter.filter, __ATOMIC_RELEASE);
     ntracked = 0;
     for (i = 0; i < 2; i++) {
         if (buffers[i].records != NULL) {
@@ -918,9 +1039,6 @@ free_state(void)
         memset(&buffers[i], 0, sizeof(buffer_t));
     }
     PyMem_RawFree(table);
-    if (bits != zero_filter) {
-        PyMem_RawFree(bits);
-    }
     table = NULL;
     table_mask = 0;
     table_bits = 0;
@@ -936,7 +1054,7 @@ static int
 alloc_state(int requested_filter_bits)
 {
     uint64_t size = 2;
-    uint64_t *bits;
+    filter_t *bits;
     int i, filter_bits;
     table_bits = 1;
     while (size < 2 * (uint64_t)max_tracked) {
@@ -950,7 +1068,20 @@ alloc_state(int requested_filter_bits)
     if (requested_filter_bits != 0) {
         filter_bits = requested_filter_bits;
     }
-    bits = PyMem_RawCalloc((size_t)1 << (filter_bits - 6), sizeof(uint64_t));
+    bits = filters_made[filter_bits];
+    if (bits == NULL) {
+        bits = PyMem_RawCalloc(((size_t)1 << (filter_bits - 6)) + 1, sizeof(uint64_t));
+        if (bits != NULL) {
+            bits->word_mask = ((uint64_t)1 << (filter_bits - 6)) - 1;
+            filters_made[filter_bits] = bits;
+        }
+    }
+    else {
+        /* Not published since the last stop(): only a RAW hook that loaded it before may
+         * still read it, and what it reads there does not matter (it holds no GIL, or the
+         * sampler was off). */
+        memset(bits->words, 0, ((size_t)bits->word_mask + 1) * sizeof(uint64_t));
+    }
     for (i = 0; i < 2; i++) {
         buffers[i].records = PyMem_RawCalloc(max_records, sizeof(record_t));
         buffers[i].frames = PyMem_RawCalloc(max_pool_frames, sizeof(raw_frame_t));
@@ -960,12 +1091,10 @@ alloc_state(int requested_filter_bits)
         }
     }
     if (table == NULL || bits == NULL) {
-        PyMem_RawFree(bits);
         goto fail;
     }
     /* The table first: a free that sees a bit of the new filter probes it. */
-    filter = bits;
-    filter_word_mask = ((uint64_t)1 << (filter_bits - 6)) - 1;
+    __atomic_store_n(&filter, bits, __ATOMIC_RELEASE);
     current = &buffers[0];
     return 0;
 fail:
@@ -1007,19 +1136,54 @@ alloc_unsupported(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
     return PyUnicode_FromString(reason);
 }
 
-/* The hooks a domain gets: ours_obj or ours_mem. */
-static const PyMemAllocatorEx *
+/* Whether OBJ, MEM and RAW are CPython's default allocators (pymalloc, over malloc for RAW),
+ * nobody's hook over them: then blocks past pymalloc's limit are freed through RAW. Asked by
+ * name (a private function, looked up: a build without it gets the free hooks). */
+static int
+allocators_are_pymalloc(void)
+{
+#if PY_VERSION_HEX < 0x03100000 && defined(__linux__)
+    const char *(*current_name)(void);
+    const char *name;
+    *(void **)(&current_name) = dlsym(RTLD_DEFAULT, "_PyMem_GetCurrentAllocatorName");
+    if (current_name == NULL) {
+        return 0;
+    }
+    name = current_name();
+    return name != NULL && strcmp(name, "pymalloc") == 0;
+#else
+    return 0;
+#endif
+}
+
+/* What a domain's hook puts in place over `previous`. */
+static PyMemAllocatorEx
 ours_for(domain_hook_t *hook)
 {
-    return hook == &hook_obj ? &ours_obj : &ours_mem;
+    PyMemAllocatorEx ours;
+    if (hook == &hook_raw) {
+        /* Only the frees: RAW's malloc and calloc are left as they were. Same ctx: a thread
+         * that reads the struct while it is replaced may pair either ctx with either
+         * function, and with the same ctx every pairing is right. */
+        ours = hook->previous;
+        ours.realloc = hook_realloc_raw;
+        ours.free = hook_free_raw;
+        return ours;
+    }
+    ours = hook == &hook_obj ? ours_obj : ours_mem;
+    if (frees_via_raw) {
+        ours.free = hook->previous.free;
+        ours.ctx = hook->previous.ctx;  /* ours ignore ctx; the previous free gets its own */
+    }
+    return ours;
 }
 
 static int
 install(domain_hook_t *hook)
 {
-    PyMemAllocatorEx ours = *ours_for(hook);
     PyMem_GetAllocator(hook->domain, &hook->previous);
-    PyMem_SetAllocator(hook->domain, &ours);
+    hook->ours = ours_for(hook);
+    PyMem_SetAllocator(hook->domain, &hook->ours);
     hook->installed = 1;
     return 0;
 }
@@ -1029,7 +1193,9 @@ is_ours(domain_hook_t *hook)
 {
     PyMemAllocatorEx now;
     PyMem_GetAllocator(hook->domain, &now);
-    return now.malloc == ours_for(hook)->malloc && now.ctx == hook;
+    return now.ctx == hook->ours.ctx && now.malloc == hook->ours.malloc &&
+           now.calloc == hook->ours.calloc && now.realloc == hook->ours.realloc &&
+           now.free == hook->ours.free;
 }
 
 #ifndef Py_T_OBJECT_EX
@@ -1179,6 +1345,12 @@ alloc_start(PyObject *Py_UNUSED(module), PyObject *args)
     n_reentered = n_foreign = n_truncated = 0;
     n_span_full = n_span_expired = 0;
     span_gen = 0;
+    /* Asked before any hook of ours is in place (then the allocators are no longer the
+     * defaults); RAW's hook first, so that it is there when the first sampled block is. */
+    frees_via_raw = allocators_are_pymalloc();
+    if (frees_via_raw) {
+        install(&hook_raw);
+    }
     install(&hook_obj);
 #if PY_VERSION_HEX >= 0x030C0000
     if (mem_domain) {
@@ -1206,7 +1378,8 @@ alloc_stop(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
         Py_RETURN_TRUE;
     }
     active = 0;
-    if (!is_ours(&hook_obj) || (hook_mem.installed && !is_ours(&hook_mem))) {
+    if (!is_ours(&hook_obj) || (hook_mem.installed && !is_ours(&hook_mem)) ||
+        (hook_raw.installed && !is_ours(&hook_raw))) {
         /* Taking ours out would cut off the hook above, which calls ours: stay, idle. */
         stuck = 1;
         restored = 0;
@@ -1218,6 +1391,13 @@ alloc_stop(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
         }
         PyMem_SetAllocator(hook_obj.domain, &hook_obj.previous);
         hook_obj.installed = 0;
+        /* Last: a sampled block may still be moved or freed through RAW until OBJ and MEM
+         * are ours no more. A thread inside this hook (RAW runs without the GIL) finishes
+         * there: the hook's code and `previous` stay. */
+        if (hook_raw.installed) {
+            PyMem_SetAllocator(hook_raw.domain, &hook_raw.previous);
+            hook_raw.installed = 0;
+        }
     }
     countdown = IDLE_COUNTDOWN;
     free_state();
@@ -1474,29 +1654,30 @@ PyDoc_STRVAR(stats_doc,
 "--\n"
 "\n"
 "Counters since start(): samples, dropped, untracked, tracked (now), frees, lost_frees,\n"
-"reentered, foreign, truncated, span_totals (now), span_full, span_expired; active and stuck\n"
-"as 0/1.");
+"reentered, foreign, truncated, span_totals (now), span_full, span_expired; active, stuck and\n"
+"frees_via_raw (sampled blocks are freed through RAW, see the module's source) as 0/1.");
 
 static PyObject *
 alloc_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
 {
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsisi}", "samples", (unsigned long long)n_samples, "dropped",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsisisi}", "samples", (unsigned long long)n_samples, "dropped",
         (unsigned long long)n_dropped, "untracked", (unsigned long long)n_untracked, "tracked",
         (unsigned long long)ntracked, "frees", (unsigned long long)n_frees, "lost_frees",
         (unsigned long long)n_lost_frees, "probes", (unsigned long long)n_probes, "reentered", (unsigned long long)n_reentered,
         "foreign", (unsigned long long)n_foreign, "truncated", (unsigned long long)n_truncated,
         "span_totals", (unsigned long long)nspans, "span_full", (unsigned long long)n_span_full,
-        "span_expired", (unsigned long long)n_span_expired, "active", active, "stuck", stuck);
+        "span_expired", (unsigned long long)n_span_expired, "active", active, "stuck", stuck,
+        "frees_via_raw", frees_via_raw);
 }
 
 PyDoc_STRVAR(allocator_doc,
-"allocator(domain) -> int\n"
+"allocator(domain) -> tuple[int, int, int, int, int]\n"
 "--\n"
 "\n"
-"An opaque number for the allocator now installed on ``domain`` (0 RAW, 1 MEM, 2 OBJ): its\n"
-"malloc function's address. Equal numbers before start() and after stop() mean the previous\n"
-"allocator is back.");
+"Opaque numbers for the allocator now installed on ``domain`` (0 RAW, 1 MEM, 2 OBJ): the\n"
+"addresses of its ctx, malloc, calloc, realloc and free. Equal tuples before start() and after\n"
+"stop() mean the previous allocator is back.");
 
 static PyObject *
 alloc_allocator(PyObject *Py_UNUSED(module), PyObject *arg)
@@ -1511,7 +1692,11 @@ alloc_allocator(PyObject *Py_UNUSED(module), PyObject *arg)
         return NULL;
     }
     PyMem_GetAllocator((PyMemAllocatorDomain)domain, &now);
-    return PyLong_FromVoidPtr((void *)(uintptr_t)now.malloc);
+    return Py_BuildValue("(KKKKK)", (unsigned long long)(uintptr_t)now.ctx,
+                         (unsigned long long)(uintptr_t)now.malloc,
+                         (unsigned long long)(uintptr_t)now.calloc,
+                         (unsigned long long)(uintptr_t)now.realloc,
+                         (unsigned long long)(uintptr_t)now.free);
 }
 
 PyDoc_STRVAR(addr2line_doc,

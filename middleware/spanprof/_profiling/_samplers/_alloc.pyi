@@ -48,8 +48,9 @@ def ignore_leaf(code: CodeType | None, /) -> None:
 def stats() -> dict[str, int]:
     """Counters since start()."""
 
-def allocator(domain: int, /) -> int:
-    """An opaque number for the allocator installed on ``domain`` (0 RAW, 1 MEM, 2 OBJ)."""
+def allocator(domain: int, /) -> tuple[int, int, int, int, int]:
+    """Opaque numbers for the allocator installed on ``domain`` (0 RAW, 1 MEM, 2 OBJ): its
+    ctx, malloc, calloc, realloc and free addresses."""
 
 def addr2line(code: CodeType, lasti: int, /) -> int:
     """The source line of byte offset ``lasti`` in ``code``."""
