@@ -162,6 +162,60 @@ def test_sampler_weighs_each_thread_by_its_own_cpu(sampler: Sampler) -> None:
     assert by_labels[_labels(0)] / 1e9 == pytest.approx(used["main"], rel=0.2)
 
 
+@pytest.mark.engine
+def test_a_tick_walks_the_other_threads_only_once_they_used_cpu(sampler: Sampler) -> None:
+    """Walking the other threads is most of a tick's cost: with them idle, a tick reads the
+    main thread alone. A worker that runs a little now and then is walked once its CPU adds
+    up, and all of it is booked, under its labels."""
+    walks: list[int] = []
+    walk = sampler._sample_threads
+
+    def counted(window: Window, tick: int, wall_now: int) -> int:
+        walks.append(tick)
+        return walk(window, tick, wall_now)
+
+    sampler._sample_threads = counted  # type: ignore[method-assign]
+    stop = threading.Event()
+    used: list[float] = []
+
+    def worker() -> None:
+        sampler.set_thread_labels(EMPTY, _labels(1))
+        started = time.thread_time()
+        while not stop.is_set():
+            MARKERS[1](0.0002)
+            stop.wait(0.02)
+        used.append(time.thread_time() - started)
+        sampler.set_thread_labels(_labels(1), EMPTY)
+
+    idle = [threading.Thread(target=stop.wait) for _ in range(3)]
+    for thread in idle:
+        thread.start()
+    sampler.start()
+    with labels_scope(_labels(0)):
+        MARKERS[0](0.3)
+    quiet_ticks, quiet_walks = sampler.ticks, len(walks)
+    busy = threading.Thread(target=worker)
+    busy.start()
+    with labels_scope(_labels(0)):
+        MARKERS[0](0.8)
+    stop.set()
+    busy.join()
+    for thread in idle:
+        thread.join()
+    sampler.stop()
+    ticks, all_walks = sampler.ticks - quiet_ticks, len(walks) - quiet_walks
+    # Idle: the first tick walks (to learn the threads), and the odd one after a wake-up.
+    assert quiet_ticks >= 20, sampler.stats()
+    assert quiet_walks <= 3 + quiet_ticks // 10, (quiet_walks, quiet_ticks)
+    # The worker: 0.2 ms every 20 ms, four or five ticks apart at 250 Hz: walked about as
+    # often as it ran, not at every tick.
+    assert all_walks < ticks * 0.6, (all_walks, ticks)
+    by_labels: dict[LabelSet, int] = {}
+    for (_sid, labels), value in sampler.take_window().values.items():
+        by_labels[labels] = by_labels.get(labels, 0) + value
+    assert by_labels[_labels(1)] / 1e9 == pytest.approx(used[0], rel=0.2), (by_labels, used)
+
+
 class _SamplerBackend:
     """The label engine feeding a bare sampler (what ExactBackend does once started)."""
 

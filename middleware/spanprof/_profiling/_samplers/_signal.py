@@ -13,7 +13,9 @@ between two bytecodes of whatever the main thread was running, and that handler 
   pushed for it through ``set_thread_labels`` (thread-pool jobs push at start and end). The
   handler can lose the GIL halfway (another thread's forced switch), so each thread's label
   changes bump a version around them, and a thread whose version moved between the stack
-  snapshot and the label read is left for the next tick.
+  snapshot and the label read is left for the next tick. (With the CPU clock, only once the
+  other threads have used 20 µs of CPU since the last such walk: the process's clock less the
+  main thread's says so for one clock read, where the walk is most of a tick's cost.)
 
 Weights are CPU time, per thread: each sample weighs the thread's own CPU clock advance since
 the previous tick (an ``ITIMER_PROF`` tick says "the process used 10 ms", not which thread did).
@@ -129,6 +131,13 @@ _MAX_KEYED = 16384
 # Stall durations kept for percentiles.
 _STALL_RING = 4096
 _PRUNE_EVERY = 64
+# Other threads' CPU since the last walk of them (the process's clock less the main thread's)
+# below which a CPU-clock tick does not walk them: their stacks, clocks and labels would cost
+# most of the handler (a dozen microseconds for three idle threads, cold) for nothing to book.
+# Their clocks are read at the next walk, which books what they used meanwhile: at most this
+# much of their CPU waits for a walk, and a thread whose labels changed meanwhile has that
+# booked by its boundaries.
+_OTHERS_QUIET_NS = 20_000
 
 # Modules whose frames are the waiting machinery above a blocked thread's own code.
 _WAIT_MODULES = frozenset(
@@ -414,6 +423,10 @@ class Sampler:
         self._main_ident = 0
         self._ident: Callable[[], int] = _thread.get_ident
         self._main_last = 0
+        # The process's and the main thread's CPU clocks at the last walk (see _others_ran).
+        self._process_at_walk = 0
+        self._main_at_walk = 0
+        self._last_prune = 0
         self._main_sample: tuple[int, LabelSet, StackTables, int] | None = None
         self._blocking: dict[int, CodeType] = {}
         self._main_idle: dict[int, CodeType] = {}
@@ -600,6 +613,7 @@ class Sampler:
         self._versions.clear()
         self._boundaries.clear()
         self._states.clear()
+        self._process_at_walk = 0  # the first tick walks every thread
         self._main_sample = None
         self._blocking = _blocking_codes()
         self._main_idle = dict(self._blocking)
@@ -858,7 +872,8 @@ class Sampler:
         wall = self._wall
         now = time.perf_counter_ns() if wall else cpu_now
         others = self._drain_boundaries(window) if self._boundaries else 0
-        others += self._sample_threads(window, tick, now)
+        if wall or self._others_ran(cpu_now):
+            others += self._sample_threads(window, tick, now)
         # The main thread: its own frame and the labels of the context it is running.
         delta = now - self._main_last
         if wall:
@@ -895,6 +910,16 @@ class Sampler:
         sid = self._stack_id(window.tables, frame)
         self._add(window, sid, labels, delta)
         return (sid, labels, window.tables, tick)
+
+    def _others_ran(self, main_now: int) -> bool:
+        """Whether threads other than the main one used CPU worth a walk since the last walk."""
+        process_now = time.clock_gettime_ns(CLOCK_PROCESS_CPUTIME_ID)
+        others = (process_now - self._process_at_walk) - (main_now - self._main_at_walk)
+        if others < _OTHERS_QUIET_NS:
+            return False
+        self._process_at_walk = process_now
+        self._main_at_walk = main_now
+        return True
 
     def _sample_threads(self, window: Window, tick: int, wall_now: int) -> int:
         """Sample every other thread; return the CPU they used since the last tick."""
@@ -970,7 +995,8 @@ class Sampler:
                 sid = self._stack_id(tables, _callers_of_wait(top))
             self._book(window, sid, labels, delta)
             self.carried_ns += delta
-        if tick % _PRUNE_EVERY == 0:
+        if tick - self._last_prune >= _PRUNE_EVERY:
+            self._last_prune = tick
             for ident in [i for i in states if i not in frames]:
                 del states[ident]
         return used
