@@ -791,20 +791,35 @@ countdown_reached(void *ptr, size_t size)
     }
 }
 
-/* The slow part of forget(): `ptr` may be tracked. With the GIL (the caller checked). */
+/* Whether the calling thread holds the GIL: a RAW call may come from a thread that does not. */
+static inline int
+holds_gil(void)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    /* 3.12+: the thread's own attached thread state, NULL while it runs without the GIL. */
+    return ALLOC_TSTATE() != NULL;
+#else
+    /* Before 3.12 the current thread state is the GIL holder's, whoever asks: compare it with
+     * this thread's own (a pointer compare; neither is read through). */
+    PyThreadState *holder = ALLOC_TSTATE();
+    return holder != NULL && holder == PyGILState_GetThisThreadState();
+#endif
+}
+
+/* The slow part of forget(): `ptr` may be tracked. RAW's hooks call it from threads without
+ * the GIL too: those cannot be freeing a tracked block (OBJ and MEM are called with the GIL),
+ * and leave the table and the counters alone. */
 static __attribute__((noinline)) void
 forget_tracked(void *ptr)
 {
-    PyThreadState *tstate;
     uint64_t id;
     buffer_t *buf;
 
-    if (ptr == NULL || !active) {
+    if (ptr == NULL || !active || !holds_gil()) {
         return;
     }
     n_probes++;
-    tstate = ALLOC_TSTATE();
-    if (tstate == NULL || !in_main_interpreter(tstate)) {
+    if (!in_main_interpreter(ALLOC_TSTATE())) {
         return;
     }
     if (!table_remove((uintptr_t)ptr, &id)) {
@@ -825,21 +840,6 @@ static inline int
 may_be_tracked(void *ptr)
 {
     return __builtin_expect(filter_may_hold((uintptr_t)ptr), 0);
-}
-
-/* Whether the calling thread holds the GIL: a RAW call may come from a thread that does not. */
-static inline int
-holds_gil(void)
-{
-#if PY_VERSION_HEX >= 0x030C0000
-    /* 3.12+: the thread's own attached thread state, NULL while it runs without the GIL. */
-    return ALLOC_TSTATE() != NULL;
-#else
-    /* Before 3.12 the current thread state is the GIL holder's, whoever asks: compare it with
-     * this thread's own (a pointer compare; neither is read through). */
-    PyThreadState *holder = ALLOC_TSTATE();
-    return holder != NULL && holder == PyGILState_GetThisThreadState();
-#endif
 }
 
 /* The block to ask the allocator for when `size` bytes are sampled: past pymalloc's pools
@@ -954,26 +954,11 @@ DOMAIN_HOOKS(obj, hook_obj)
 DOMAIN_HOOKS(mem, hook_mem)
 
 /* RAW: a tracked block leaving, or (without the GIL, or untracked) anything else. */
-static __attribute__((noinline)) void
-raw_forget(void *ptr)
-{
-    if (holds_gil()) {
-        forget_tracked(ptr);
-    }
-}
-
-static __attribute__((noinline)) void
-raw_free_tracked(void *ptr)
-{
-    raw_forget(ptr);
-    hook_raw.previous.free(hook_raw.previous.ctx, ptr);
-}
-
 static void
 hook_free_raw(void *Py_UNUSED(ctx), void *ptr)
 {
     if (may_be_tracked(ptr)) {
-        raw_free_tracked(ptr);
+        free_tracked(&hook_raw, ptr);
         return;
     }
     hook_raw.previous.free(hook_raw.previous.ctx, ptr);
@@ -984,7 +969,7 @@ hook_realloc_raw(void *Py_UNUSED(ctx), void *old, size_t new_size)
 {
     void *ptr = hook_raw.previous.realloc(hook_raw.previous.ctx, old, new_size);
     if (ptr != NULL && may_be_tracked(old)) {
-        raw_forget(old);
+        forget_tracked(old);
     }
     return ptr;
 }
