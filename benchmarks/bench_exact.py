@@ -9,9 +9,9 @@ Cost: a trivial Starlette endpoint driven in-process (as in ``bench_request``) i
 process, with no profiler and with the exact profiler (100 Hz, its default 10 s uploads to a
 receiver in the parent: each round's stop flushes one), interleaved round by round; the child
 also reports the sampler's per-tick stall percentiles and the longest single export step. Then
-over HTTP: uvicorn servers without a profiler, with the default one, and with the default taken
-apart (allocation hooks that never sample, memory off, memory off at 1 Hz), two processes each,
-all loaded at once (``_throughput``).
+over HTTP: uvicorn servers that switch between no profiler, the default one, and the default
+taken apart (allocation hooks that never sample, memory off, memory off at 1 Hz) from round to
+round, all loaded at once, each configuration compared within servers (``_throughput``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import math
 import selectors
 import socket
 import statistics
@@ -38,8 +39,16 @@ from spanprof._local._receiver import PushReceiver
 
 from ._child import receiver_child_arguments, run_receiver_child
 from ._report import Section, Spread, Verdict, markdown_table, paired_ratios
+from .apps.switch_app import CONFIGURATIONS, NEVER_SAMPLE_BYTES
 
-__all__ = ["CONCURRENCY", "main", "run"]
+__all__ = [
+    "CONCURRENCY",
+    "HTTP_VARIANTS",
+    "NEVER_SAMPLE_BYTES",
+    "THROUGHPUT_BUDGET",
+    "main",
+    "run",
+]
 
 CONCURRENCY = 16
 # The exact profiler is the default (#13 asks 0.98 x of the default, memory sampling on).
@@ -288,154 +297,213 @@ def _threads_cpu_ns(pid: int) -> tuple[int, int]:
 class HttpRun:
     """The HTTP throughput run: per-round ratios and the profiler's CPU share."""
 
+    # Responses served, default over no profiler, per round (server effects taken out).
     ratios: list[float]
-    # Per configuration other than "off": no profiler's CPU per response over its, per round.
+    # Per configuration other than "off": no profiler's CPU per response over its, per round,
+    # server effects taken out.
     cpu_ratios: dict[str, list[float]]
-    # Per configuration, the mean of its servers' CPU per response in each round.
+    # Per configuration, the mean CPU per response of its servers in each round.
     cpu_per_response_us: dict[str, list[float]]
-    # Per server (configuration and index), its CPU per response over the whole run.
-    server_us: dict[str, float]
-    # The default profiler's servers' CPU per response over the whole run: their loop
-    # threads, their other threads.
+    # Per server: its CPU per response over the mean of all servers in the same rounds and
+    # configurations (its process's own speed, which the design takes out).
+    server_effects: list[float]
+    # The default's rounds: CPU per response on the loop thread, on the other threads.
     loop_thread_us: float
     other_threads_us: float
     profiler_cpu_share: float
     stats: dict[str, Any]
 
 
-#: Servers per configuration: fresh processes of one configuration differ by up to several
-#: percent in CPU per response (memory layout, hash seeds), as much as what is measured here.
-SERVERS_PER_VARIANT = 2
-
-#: The largest mean gap between allocation samples: the hooks run, and almost never sample.
-_NEVER_SAMPLE_BYTES = 1 << 40
+#: Servers: each configuration runs on ``SERVERS // len(CONFIGURATIONS)`` of them in every round,
+#: and each server runs every configuration in turn.
+SERVERS = 10
 
 #: The HTTP run's configurations besides no profiler ("off"): the default, then the default
 #: taken apart, each row one part less than the one before.
 HTTP_VARIANTS = {
     "exact": "the default profiler",
     "hooks": "the default with allocation hooks that (almost) never sample "
-    f"(`SPANPROF_ALLOC_SAMPLE_BYTES={_NEVER_SAMPLE_BYTES}`)",
+    f"(`SPANPROF_ALLOC_SAMPLE_BYTES={NEVER_SAMPLE_BYTES}`)",
     "nomem": "the default with `SPANPROF_MEMORY=false`",
     "nomem_1hz": "the same at 1 Hz (`PYROSCOPE_SAMPLE_RATE=1`): the request path, the label "
     "engine and the upload thread, with almost no ticks",
 }
 
-#: Seconds each round loads every server: one default upload interval, so each profiled
-#: server uploads about once a round.
-HTTP_ROUND_SECONDS = 10.0
+#: Seconds each round loads every server: a little over one default upload interval, so that
+#: each profiled server's first upload (10 s after its start) falls within the round.
+HTTP_ROUND_SECONDS = 10.5
+
+
+def _schedule(rounds: int) -> list[list[str]]:
+    """Each round's configuration per server: server ``s`` runs configuration ``(s + t) % k``
+    in round ``t``, so every round runs each configuration on as many servers, and over ``k``
+    rounds every server runs each configuration once (a Latin square, repeated)."""
+    names = list(CONFIGURATIONS)
+    return [[names[(s + t) % len(names)] for s in range(SERVERS)] for t in range(rounds)]
+
+
+def _effects(
+    cells: list[list[float]], schedule: list[list[str]]
+) -> tuple[list[float], list[float]]:
+    """Per-round and per-server effects of ``cells[t][s]`` (logs), each with its mean zero.
+
+    The schedule is balanced (every configuration equally often in every round and, over the
+    run, on every server), so the means of rows and columns are those of the two effects plus
+    a common constant.
+    """
+    rounds, servers = len(cells), len(cells[0])
+    grand = statistics.fmean(v for row in cells for v in row)
+    by_round = [statistics.fmean(row) - grand for row in cells]
+    by_server = [
+        statistics.fmean(cells[t][s] for t in range(rounds)) - grand for s in range(servers)
+    ]
+    return by_round, by_server
 
 
 def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
-    """Per-round ratios of the servers' CPU per response, no profiler over each configuration,
-    all servers loaded at once (and responses served, default over none).
+    """Per-round ratios of CPU per response, no profiler over each configuration, with each
+    server's own speed taken out.
 
-    A CPU-bound server's throughput is the inverse of its CPU per response. Every server is
-    loaded for the whole round, so a profiler thread's periodic work (drains every 0.25 s,
-    uploads every 10 s) is paid out of load as on a busy server, instead of being charged to
-    the 1 s in which a server was loaded while the others waited (as this run did before). Each
-    configuration runs in ``SERVERS_PER_VARIANT`` processes; a round's figure for it is the
-    mean of its servers'.
+    ``SERVERS`` uvicorn processes serve ``benchmarks/apps/switch_app.py``; before each round,
+    each switches to its configuration of the round (``_schedule``): its previous profiler
+    stops, the new one starts. Then all are loaded at once for ``seconds``, so a profiler
+    thread's periodic work (drains every 0.25 s, the upload 10 s after start) is paid out of
+    load, as on a busy server. A CPU-bound server's throughput is the inverse of its CPU per
+    response. Fresh processes differ by several percent in it (memory layout, hash seeds), so
+    a configuration's ratio in a round compares the servers running it with those running no
+    profiler, each corrected by its server's effect over the whole run (``_effects``).
     """
+    names = list(CONFIGURATIONS)
+    if SERVERS % len(names) or rounds % len(names):
+        raise ValueError(f"servers and rounds must be multiples of {len(names)}")
+    schedule = _schedule(rounds)
     with PushReceiver() as receiver:
-        common = {"E2E_BACKGROUND": "0", "PYROSCOPE_APPLICATION_NAME": "bench-exact-http"}
         # SPANPROF_PROFILER unset: the default (auto), which runs the exact sampler here, with
         # its default 10 s uploads.
-        profiled = {**common, "PYROSCOPE_SERVER_ADDRESS": receiver.url}
-        nomem = {**profiled, "SPANPROF_MEMORY": "false"}
-        variants = {
-            "off": common,
-            "exact": profiled,
-            "hooks": {**profiled, "SPANPROF_ALLOC_SAMPLE_BYTES": str(_NEVER_SAMPLE_BYTES)},
-            "nomem": nomem,
-            "nomem_1hz": {**nomem, "PYROSCOPE_SAMPLE_RATE": "1"},
+        env = {
+            "PYROSCOPE_APPLICATION_NAME": "bench-exact-http",
+            "PYROSCOPE_SERVER_ADDRESS": receiver.url,
         }
-        servers = [(name, i) for i in range(SERVERS_PER_VARIANT) for name in variants]
-        ports = {server: free_port() for server in servers}
-        all_ports = [ports[server] for server in servers]
-        pids: dict[tuple[str, int], int] = {}
+        ports = [free_port() for _ in range(SERVERS)]
         with contextlib.ExitStack() as stack:
-            for server in servers:
-                name, i = server
-                pids[server] = stack.enter_context(
+            pids = [
+                stack.enter_context(
                     serve(
-                        uvicorn_argv("tests.e2e.exact_app:app", ports[server], "asyncio"),
-                        health_url=f"http://127.0.0.1:{ports[server]}/health",
-                        env=variants[name],
-                        log_path=workdir / f"http-{name}-{i}.log",
+                        uvicorn_argv("benchmarks.apps.switch_app:app", port, "asyncio"),
+                        health_url=f"http://127.0.0.1:{port}/health",
+                        env=env,
+                        log_path=workdir / f"http-{i}.log",
                     )
                 ).pid
-            _load(all_ports, 3.0)  # warm-up
-            profiled_servers = [server for server in servers if server[0] != "off"]
-            default_servers = [server for server in servers if server[0] == "exact"]
-            stats_url = "http://127.0.0.1:{}/stats"
-            before = [
-                httpx.get(stats_url.format(ports[s]), timeout=10).json() for s in default_servers
+                for i, port in enumerate(ports)
             ]
-            threads_before = [_threads_cpu_ns(pids[server]) for server in default_servers]
-            total_before = {server: _process_cpu_ns(pid) for server, pid in pids.items()}
-            served = dict.fromkeys(servers, 0)
-            ratios: list[float] = []
-            per_response: dict[str, list[float]] = {name: [] for name in variants}
-            for _ in range(rounds):
-                cpu = {server: _process_cpu_ns(pid) for server, pid in pids.items()}
-                by_port = _load(all_ports, seconds)
-                counts = {server: by_port[ports[server]] for server in servers}
-                used = {
-                    server: (_process_cpu_ns(pid) - cpu[server]) / counts[server] / 1e3
-                    for server, pid in pids.items()
-                }
-                for server, count in counts.items():
-                    served[server] += count
-                for name in variants:
-                    mine = [us for server, us in used.items() if server[0] == name]
-                    per_response[name].append(statistics.fmean(mine))
-                ratios.append(
-                    statistics.fmean(c for s, c in counts.items() if s[0] == "exact")
-                    / statistics.fmean(c for s, c in counts.items() if s[0] == "off")
+
+            def switch(round_names: list[str]) -> None:
+                for port, name in zip(ports, round_names, strict=True):
+                    httpx.get(
+                        f"http://127.0.0.1:{port}/switch?{name}", timeout=60
+                    ).raise_for_status()
+
+            def stats(port: int, name: str) -> dict[str, Any]:
+                answer = httpx.get(f"http://127.0.0.1:{port}/stats?{name}", timeout=60)
+                answer.raise_for_status()
+                found: dict[str, Any] = answer.json()
+                return found
+
+            # Warm-up: every server through every configuration once.
+            for t in range(len(names)):
+                switch(schedule[t])
+                _load(ports, 2.0)
+            cpu_us: list[list[float]] = []
+            served: list[list[float]] = []
+            loop_ns = others_ns = spent_ns = default_served = 0
+            last_stats: dict[str, Any] = {}
+            running: dict[str, dict[str, Any]] = {}
+            for t in range(rounds):
+                switch(schedule[t])
+                defaults = [s for s, name in enumerate(schedule[t]) if name == "exact"]
+                before_stats = {s: stats(ports[s], "exact") for s in defaults}
+                threads = [_threads_cpu_ns(pid) for pid in pids]
+                by_port = _load(ports, seconds)
+                after = [_threads_cpu_ns(pid) for pid in pids]
+                counts = [by_port[port] for port in ports]
+                cpu_us.append(
+                    [(sum(after[s]) - sum(threads[s])) / counts[s] / 1e3 for s in range(SERVERS)]
                 )
-            threads_after = [_threads_cpu_ns(pids[server]) for server in default_servers]
-            server_us = {
-                f"{name} {i + 1}": (_process_cpu_ns(pids[(name, i)]) - total_before[(name, i)])
-                / served[(name, i)]
-                / 1e3
-                for name, i in servers
-            }
-            checks = {
-                s: httpx.get(stats_url.format(ports[s]), timeout=10).json()
-                for s in profiled_servers
-            }
-            after = [checks[s] for s in default_servers]
+                served.append([float(c) for c in counts])
+                for name in set(schedule[t]) - {"off"}:
+                    running[name] = stats(ports[schedule[t].index(name)], name)
+                for s in defaults:
+                    now = stats(ports[s], "exact")
+                    spent_ns += round(
+                        sum(
+                            (float(now[k]) - float(before_stats[s][k])) * 1e6
+                            for k in ("handler_cpu_ms", "export_cpu_ms")
+                        )
+                    )
+                    loop_ns += after[s][0] - threads[s][0]
+                    others_ns += after[s][1] - threads[s][1]
+                    default_served += counts[s]
+                    last_stats = now
+            switch(["off"] * SERVERS)
+            # Stopped, each has flushed its last upload.
+            stopped = {name: stats(ports[0], name) for name in running}
         if receiver.errors:
             raise RuntimeError(f"the receiver rejected uploads: {receiver.errors[:3]}")
-        for (name, _), stats in checks.items():
-            if stats.get("mode") != "exact" or not stats.get("uploads"):
-                raise RuntimeError(f"the exact profiler did not run or upload ({name}): {stats!r}")
-            sampling = any(key.startswith("memory_") for key in stats)
-            if sampling != (name in ("exact", "hooks")):
-                raise RuntimeError(f"memory sampling was not as configured ({name}): {stats!r}")
-    spent = sum(
-        float(a[k]) - float(b[k])
-        for a, b in zip(after, before, strict=True)
-        for k in ("handler_cpu_ms", "export_cpu_ms")
-    )
-    loop_ns = sum(a[0] - b[0] for a, b in zip(threads_after, threads_before, strict=True))
-    others_ns = sum(a[1] - b[1] for a, b in zip(threads_after, threads_before, strict=True))
-    default_served = sum(served[server] for server in default_servers)
+    for name, found in running.items():
+        # A profiler with samples uploads them, at its first interval or at its stop.
+        uploaded = stopped[name].get("uploads") or not stopped[name].get("samples")
+        if found.get("mode") != "exact" or not uploaded:
+            raise RuntimeError(f"the exact profiler did not run or upload ({name}): {found!r}")
+        sampling = any(key.startswith("memory_") for key in found)
+        if sampling != (name in ("exact", "hooks")):
+            raise RuntimeError(f"memory sampling was not as configured ({name}): {found!r}")
+    logs = [[math.log(v) for v in row] for row in cpu_us]
+    _, cpu_server = _effects(logs, schedule)
+    served_logs = [[math.log(v) for v in row] for row in served]
+    _, served_server = _effects(served_logs, schedule)
+
+    def within(values: list[list[float]], server: list[float], name: str) -> list[float]:
+        # Per round: the mean over the servers running ``name`` of its log, its servers'
+        # effects taken out.
+        return [
+            statistics.fmean(
+                values[t][s] - server[s] for s in range(SERVERS) if schedule[t][s] == name
+            )
+            for t in range(rounds)
+        ]
+
+    off_cpu = within(logs, cpu_server, "off")
     cpu_ratios = {
-        name: [off / x for off, x in zip(per_response["off"], per_response[name], strict=True)]
+        name: [
+            math.exp(o - x) for o, x in zip(off_cpu, within(logs, cpu_server, name), strict=True)
+        ]
         for name in HTTP_VARIANTS
+    }
+    ratios = [
+        math.exp(x - o)
+        for o, x in zip(
+            within(served_logs, served_server, "off"),
+            within(served_logs, served_server, "exact"),
+            strict=True,
+        )
+    ]
+    per_response = {
+        name: [
+            statistics.fmean(cpu_us[t][s] for s in range(SERVERS) if schedule[t][s] == name)
+            for t in range(rounds)
+        ]
+        for name in names
     }
     return HttpRun(
         ratios=ratios,
         cpu_ratios=cpu_ratios,
         cpu_per_response_us=per_response,
-        server_us=server_us,
+        server_effects=[math.exp(e) for e in cpu_server],
         loop_thread_us=loop_ns / default_served / 1e3,
         other_threads_us=others_ns / default_served / 1e3,
-        profiler_cpu_share=spent / ((loop_ns + others_ns) / 1e6),
-        # The first default server's counters, for the stall and export-step figures.
-        stats=after[0],
+        profiler_cpu_share=spent_ns / (loop_ns + others_ns),
+        stats=last_stats,
     )
 
 
@@ -454,13 +522,12 @@ def run(quick: bool) -> Section:
         ]
     rounds, size = (41, 300) if quick else (161, 600)
     results, stats, pushes = _cost(rounds, size)
-    http_rounds = 3 if quick else 8
+    http_rounds = len(CONFIGURATIONS) if quick else 2 * len(CONFIGURATIONS)
     with tempfile.TemporaryDirectory() as tmp:
         http_run = _throughput(http_rounds, HTTP_ROUND_SECONDS, Path(tmp))
     http_stats = http_run.stats
     http = Spread.of(http_run.ratios)
     http_cpu = Spread.of(http_run.cpu_ratios["exact"])
-    servers = SERVERS_PER_VARIANT * (len(HTTP_VARIANTS) + 1)
     ratio = paired_ratios(results["off"], results["exact"])
     wall_ratio = paired_ratios(results["off_wall"], results["exact_wall"])
     p99s = [s["stall_p99_us"] for s in stats]
@@ -504,25 +571,34 @@ def run(quick: bool) -> Section:
             ],
             _attribution_rows(outcomes),
         ),
-        "**Throughput over HTTP.** uvicorn servers (asyncio) of the same app with the "
-        "background load off and `SPANPROF_PROFILER` unset (the default, `auto`, which runs the "
-        "exact sampler with memory sampling here): no profiler (`PYROSCOPE_SERVER_ADDRESS` "
-        "unset), the default profiler as configured by default (100 Hz, 10 s uploads to a "
-        "`PushReceiver`), and the default taken apart one part at a time (the rows below); each "
-        f"configuration in {SERVERS_PER_VARIANT} processes (fresh processes of one "
-        "configuration differ by several percent in CPU per response). "
-        f"{http_rounds} rounds of {HTTP_ROUND_SECONDS:.0f} s (one upload interval) in which a "
-        f"raw-socket client loads all {servers} servers at once (8 keep-alive connections each, "
-        "`GET /health`: a 2-byte `PlainTextResponse` through `ProfilingMiddleware`), so every "
-        "server is busy all round and its profiler's periodic work is paid out of load, as on "
-        "a server that is never idle. Each server's CPU (all threads, "
-        "`/proc/PID/task/*/schedstat`) per response it served that round; a round's figure for "
-        "a configuration is the mean of its servers'. The servers share two cores, so each runs "
-        f"at about 2/{servers} of a core: work a profiler does per second of wall time (about "
-        "1.5 ms a second for the default, idle) weighs several times more per response here "
-        "than on a server with a core of its own.",
+        "**Throughput over HTTP.** uvicorn servers (asyncio) of `benchmarks/apps/switch_app.py`: "
+        "`GET /health`, a 2-byte `PlainTextResponse` through `ProfilingMiddleware`, with "
+        "`SPANPROF_PROFILER` unset (the default, `auto`, which runs the exact sampler with "
+        "memory sampling here, 100 Hz, 10 s uploads to a `PushReceiver`). Each server holds "
+        "one middleware per configuration: no profiler, the default, and the default taken "
+        "apart one part at a time (the rows below), and switches between them before each "
+        "round (stopping the previous configuration's profiler and starting the next's, as a "
+        f"server starting up would). {SERVERS} servers, {http_rounds} rounds of "
+        f"{HTTP_ROUND_SECONDS:g} s (the first upload, 10 s after the start, falls in the round) "
+        "after a warm-up through every configuration; in each round every configuration runs "
+        f"on {SERVERS // len(CONFIGURATIONS)} servers, and each server runs every configuration "
+        "in turn (a Latin square, repeated). A raw-socket client loads all servers at once (8 "
+        "keep-alive connections each), so each is busy all round and its profiler's periodic "
+        "work is paid out of load, as on a server that is never idle. Each server's CPU (all "
+        "threads, `/proc/PID/task/*/schedstat`) per response it served that round. Fresh "
+        "processes differ by several percent in CPU per response (memory layout, hash seeds: "
+        "the servers' own effects below), as much as a profiler costs, so a round's ratio for "
+        "a configuration compares its servers with those running no profiler in the same "
+        "round, each taken out its server's effect over the whole run. The servers share two "
+        f"cores, so each runs at about 2/{SERVERS} of a core: work a profiler does per second of "
+        "wall time weighs several times more per response here than on a server with a core "
+        "of its own.",
         markdown_table(
-            ["configuration", "server CPU µs per response", "throughput x no profiler (CPU)"],
+            [
+                "configuration",
+                "server CPU µs per response (its servers' mean per round)",
+                "throughput x no profiler (CPU, within servers)",
+            ],
             [["no profiler", Spread.of(http_run.cpu_per_response_us["off"]).format(1), "—"]]
             + [
                 [
@@ -537,17 +613,17 @@ def run(quick: bool) -> Section:
             ["measure", "value"],
             [
                 [
-                    "responses served, default / no profiler, per round",
+                    "responses served, default / no profiler, per round (within servers)",
                     http.format(3),
                 ],
                 [
-                    "each server's CPU µs per response over the whole run",
-                    ", ".join(f"{k}: {v:.1f}" for k, v in http_run.server_us.items()),
+                    "each server's CPU per response over all servers' (its own effect)",
+                    ", ".join(f"{e:.3f}" for e in http_run.server_effects),
                 ],
                 [
-                    "default profiler's servers: CPU µs per response on the loop thread / on "
-                    "their other threads (the profiler's: CPU and memory uploads, the "
-                    "allocation drain), whole run",
+                    "default profiler's rounds: CPU µs per response on the loop thread / on "
+                    "the other threads (the profiler's: CPU and memory uploads, the "
+                    "allocation drain)",
                     f"{http_run.loop_thread_us:.1f} / {http_run.other_threads_us:.1f}",
                 ],
                 [
@@ -622,7 +698,7 @@ def run(quick: bool) -> Section:
     section.verdicts += [
         Verdict(
             f"throughput of a trivial endpoint with the default profiler >= {THROUGHPUT_BUDGET} x "
-            "no profiler (uvicorn over HTTP, server CPU per response)",
+            "no profiler (uvicorn over HTTP, server CPU per response, within servers)",
             http_cpu.median >= THROUGHPUT_BUDGET,
             f"{http_cpu.median:.3f} x (IQR {http_cpu.q1:.3f}..{http_cpu.q3:.3f}); without its "
             f"allocation samples {statistics.median(http_run.cpu_ratios['hooks']):.3f} x, "
@@ -646,7 +722,7 @@ def run(quick: bool) -> Section:
             float(http_stats["stall_cpu_p99_us"]) <= STALL_BUDGET_US
             and statistics.median(p99s) <= STALL_BUDGET_US,
             f"HTTP {float(http_stats['stall_cpu_p99_us']):.0f} µs CPU "
-            f"({float(http_stats['stall_p99_us']):.0f} µs wall, {servers} servers on two cores); "
+            f"({float(http_stats['stall_p99_us']):.0f} µs wall, {SERVERS} servers on two cores); "
             f"in-process rounds: median p99 {statistics.median(p99s):.0f} µs wall; 16-request "
             f"0.5 ms-step runs: {max(e2e_p99s):.0f} µs wall, {max(e2e_cpu_p99s):.0f} µs CPU",
         ),
