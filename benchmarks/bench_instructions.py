@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import re
 import shutil
@@ -22,11 +23,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+from spanprof._local._receiver import PushReceiver
+
+from ._callgrind_http import (
+    HTTP_TICK_HZ,
+    HTTP_UPLOAD_INTERVAL,
+    SLOWDOWN,
+    HttpCount,
+    count_http,
+)
 from ._report import Section, Verdict, markdown_table
 from .bench_breakdown import MEET_REQUESTS, MEET_SAMPLE_BYTES, PART_WARMUP, VARIANTS, drive_part
 from .bench_engine import TASKS
+from .bench_exact import HTTP_VARIANTS, NEVER_SAMPLE_BYTES, THROUGHPUT_BUDGET
 from .bench_memory import JSON_WARMUP, drive_json
 
 __all__ = ["main", "run"]
@@ -79,6 +91,13 @@ ENGINE_CASES = [
     )
 ]
 STEP_COUNTS = (2000, 6000)
+# The exact section's HTTP server, counted whole under callgrind (see _callgrind_http): its
+# configurations, the responses counted, and the warm-up before them (a server meets most of
+# its allocation stacks in its first thousands of responses: interning them is start-up).
+HTTP_APP = "benchmarks.apps.slowed_app:app"
+HTTP_COUNTS = (500, 2500)
+HTTP_WARMUP = 3000
+HTTP_PARTS = ["off", "nomem", "hooks", "exact"]
 
 _TOTALS = re.compile(r"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
 
@@ -183,7 +202,10 @@ def run(quick: bool) -> Section:
     if shutil.which("valgrind") is None:
         section.body.append("Skipped: `valgrind` is not installed on this machine.")
         return section
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(
+            concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+        )
         jobs = {
             ("request", variant): _per_unit(pool, ["request", variant], REQUEST_COUNTS)
             for variant in [*REQUEST_VARIANTS, *(f"spanprof-{piece}" for piece in ABLATIONS)]
@@ -208,11 +230,27 @@ def run(quick: bool) -> Section:
                 for memory in ("on", "off")
             }
         )
+        receiver = stack.enter_context(PushReceiver())
+        http_jobs = {
+            part: tuple(
+                pool.submit(
+                    count_http,
+                    HTTP_APP,
+                    _http_env(part, receiver.url),
+                    HTTP_WARMUP,
+                    n,
+                    profiled=part != "off",
+                )
+                for n in HTTP_COUNTS
+            )
+            for part in HTTP_PARTS
+        }
         per: dict[tuple[str, str], float] = {}
         for key, (small, large, (n_small, n_large)) in jobs.items():
             # Engine cases count steps per task; TASKS tasks take them.
             units = (n_large - n_small) * (TASKS if key[0] == "engine" else 1)
             per[key] = (_median_result(large) - _median_result(small)) / units
+        http = {part: _http_result(*futures) for part, futures in http_jobs.items()}
 
     baseline = per[("request", "otel")]
     like = per[("request", "otel_lean")]
@@ -314,6 +352,7 @@ def run(quick: bool) -> Section:
             f"{json_off / json_on:.3f} x ({json_on:,.0f} vs {json_off:,.0f} instructions/request)",
         )
     )
+    _http_report(section, http)
     for variant, letter in (("spanprof", "e"), ("spanprof_recorder", "f")):
         value = per[("request", variant)]
         section.verdicts.append(
@@ -326,6 +365,102 @@ def run(quick: bool) -> Section:
             )
         )
     return section
+
+
+def _http_env(part: str, receiver_url: str) -> dict[str, str]:
+    """The environment of the HTTP server for ``part`` (a name of ``HTTP_PARTS``)."""
+    env = {"E2E_BACKGROUND": "0", "PYROSCOPE_APPLICATION_NAME": "bench-instructions-http"}
+    if part == "off":
+        return env
+    # SPANPROF_PROFILER unset: the default (auto), the exact sampler with memory sampling here.
+    env |= {
+        "PYROSCOPE_SERVER_ADDRESS": receiver_url,
+        "PYROSCOPE_SAMPLE_RATE": str(HTTP_TICK_HZ),
+        "PYROSCOPE_UPLOAD_INTERVAL": str(HTTP_UPLOAD_INTERVAL),
+    }
+    if part == "nomem":
+        env["SPANPROF_MEMORY"] = "false"
+    elif part == "hooks":
+        env["SPANPROF_ALLOC_SAMPLE_BYTES"] = str(NEVER_SAMPLE_BYTES)
+    return env
+
+
+@dataclass(frozen=True)
+class _HttpPart:
+    """One HTTP configuration's instructions per response, and its profiler per response."""
+
+    instructions: float
+    ticks: float
+    samples: float
+
+
+def _http_result(
+    small: concurrent.futures.Future[HttpCount], large: concurrent.futures.Future[HttpCount]
+) -> _HttpPart:
+    few, many = small.result(), large.result()
+    for run in (few, many):
+        if run.stats and run.stats.get("mode") != "exact":
+            raise RuntimeError(f"the exact profiler did not run: {run.stats!r}")
+    n = HTTP_COUNTS[1] - HTTP_COUNTS[0]
+    counted = HTTP_COUNTS[1]
+    return _HttpPart(
+        instructions=(many.instructions - few.instructions) / n,
+        ticks=float(many.stats.get("counted_ticks", 0)) / counted,
+        samples=float(many.stats.get("counted_samples", 0)) / counted,
+    )
+
+
+def _http_report(section: Section, http: dict[str, _HttpPart]) -> None:
+    off = http["off"].instructions
+    labels = {"off": "no profiler", **HTTP_VARIANTS}
+    rows = [
+        [
+            labels[part],
+            f"{value.instructions:,.0f}",
+            "—" if part == "off" else f"{value.instructions - off:+,.0f}",
+            "—" if part == "off" else f"{off / value.instructions:.3f}",
+            "—" if part == "off" else f"{value.ticks:.3f}",
+            f"{value.samples:.2f}" if part in ("exact", "hooks") else "—",
+        ]
+        for part, value in http.items()
+    ]
+    section.body += [
+        "The exact section's HTTP server counted whole: `tests/e2e/exact_app.py` under a real "
+        "uvicorn (asyncio) run by `valgrind --tool=callgrind`, every thread counted (the "
+        "profiler's ticks, drains, encoding and uploads with the request path), serving "
+        f"`GET /health` to 8 keep-alive connections: {HTTP_WARMUP:,} responses of warm-up, "
+        f"then {HTTP_COUNTS[0]:,} or {HTTP_COUNTS[1]:,}, then a graceful stop with its last "
+        "upload; the difference between the two runs over the difference in responses is one "
+        "response's count, start-up, warm-up and shutdown cancelled out. Where the CPU-time "
+        "run's fresh processes differ by several percent from one another, this count does "
+        f"not move with load or layout. callgrind runs the server about {SLOWDOWN}x slower, so the "
+        f"profiler's clocks are stretched to match: ticks at {HTTP_TICK_HZ} Hz of callgrind's "
+        "CPU time (about the ticks per response of 100 Hz natively: the *ticks* column), "
+        f"uploads every {HTTP_UPLOAD_INTERVAL} s, allocation drains every "
+        f"{0.25 * SLOWDOWN:g} s (`benchmarks/apps/slowed_app.py`).",
+        markdown_table(
+            [
+                "configuration",
+                "instructions/response",
+                "over no profiler",
+                "x no profiler",
+                "ticks/response",
+                "allocation samples/response",
+            ],
+            rows,
+        ),
+    ]
+    default = http["exact"].instructions
+    nomem = http["nomem"].instructions
+    section.verdicts.append(
+        Verdict(
+            f"throughput of a trivial endpoint with the default profiler >= {THROUGHPUT_BUDGET} x "
+            "no profiler (uvicorn over HTTP, instructions per response, every thread)",
+            off / default >= THROUGHPUT_BUDGET,
+            f"{off / default:.3f} x ({default:,.0f} vs {off:,.0f}); allocation hooks that never "
+            f"sample {off / http['hooks'].instructions:.3f} x, memory off {off / nomem:.3f} x",
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

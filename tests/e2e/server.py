@@ -72,15 +72,21 @@ def serve(
     env: Mapping[str, str],
     log_path: Path,
     stop_signal: int = signal.SIGINT,
+    ready_timeout: float = 30.0,
+    stop_timeout: float = 30.0,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run a server command from the repo root; on exit stop it gracefully (lifespan shutdown)."""
+    """Run a server command from the repo root; on exit stop it gracefully (lifespan shutdown).
+
+    ``ready_timeout`` and ``stop_timeout`` bound the wait for its health URL and for its exit
+    (a server under valgrind takes minutes for either).
+    """
     full_env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}", **env}
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             list(argv), cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT
         )
         try:
-            wait_ready(health_url, process)
+            wait_ready(health_url, process, ready_timeout)
             yield process
         except BaseException as exc:
             # A server that died mid-test shows up as "connection refused": say it died, how,
@@ -97,7 +103,7 @@ def serve(
             if process.poll() is None:
                 process.send_signal(stop_signal)
                 try:
-                    process.wait(timeout=30)
+                    process.wait(timeout=stop_timeout)
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()

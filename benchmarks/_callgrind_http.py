@@ -1,0 +1,152 @@
+"""A uvicorn server under callgrind, driven over HTTP: instructions per response, load-free.
+
+The exact section's HTTP run measures CPU per response, and on a shared VM fresh processes of
+one configuration differ by several percent in it, as much as the profiler costs. Counted
+instructions do not depend on load or on the process's layout: the server runs under
+``valgrind --tool=callgrind`` (every thread counted), serves a warm-up and then ``count``
+responses to a raw-socket client, and is stopped gracefully (its profiler's last upload
+included). Two runs that differ only in ``count`` give the cost of one response, start-up,
+imports, warm-up and shutdown cancelled out.
+
+callgrind runs the server about 50 times slower, so what the profiler does per second of wall
+time (drains four times a second, an upload every 10 s) would count 50 times over per
+response: the upload interval is stretched to match (``PYROSCOPE_UPLOAD_INTERVAL=500``), the
+drain's period too (``benchmarks/apps/slowed_app.py``), and the 100 Hz CPU-time ticks become
+2 Hz of callgrind's CPU time, about as many ticks per response as 100 Hz gives a native server
+(the run reports ticks per response).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import selectors
+import socket
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tests.e2e.server import free_port, serve, uvicorn_argv
+
+__all__ = [
+    "HTTP_TICK_HZ",
+    "HTTP_UPLOAD_INTERVAL",
+    "SLOWDOWN",
+    "HttpCount",
+    "count_http",
+    "serve_count",
+]
+
+#: About how many times slower callgrind runs the server than it runs natively.
+SLOWDOWN = 50
+#: Ticks per second of callgrind's CPU time: the default 100 Hz of native CPU, slowed down.
+HTTP_TICK_HZ = 100 // SLOWDOWN
+#: Seconds between uploads: the default 10 s, slowed down.
+HTTP_UPLOAD_INTERVAL = 10 * SLOWDOWN
+
+_REQUEST = b"GET /health HTTP/1.1\r\nHost: bench\r\n\r\n"
+_TOTALS = re.compile(r"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class HttpCount:
+    """One counted server run: its instructions and, when profiled, its profiler's stats."""
+
+    instructions: int
+    stats: dict[str, Any]
+
+
+def serve_count(port: int, count: int, connections: int = 8) -> None:
+    """Have the server on ``port`` answer ``count`` ``GET /health``, ``connections`` at a time.
+
+    Keep-alive connections, one request in flight each, as the exact section's load: the
+    server's loop batches what arrives together the same way.
+    """
+    selector = selectors.DefaultSelector()
+    buffers: dict[socket.socket, bytearray] = {}
+    sent = done = 0
+    try:
+        for _ in range(min(connections, count)):
+            conn = socket.create_connection(("127.0.0.1", port))
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sendall(_REQUEST)
+            sent += 1
+            conn.setblocking(False)
+            buffers[conn] = bytearray()
+            selector.register(conn, selectors.EVENT_READ, data=conn)
+        while done < count:
+            events = selector.select(120.0)
+            if not events:
+                raise TimeoutError(f"no response in 120 s ({done} of {count} answered)")
+            for key, _mask in events:
+                conn = key.data
+                buffer = buffers[conn]
+                chunk = conn.recv(65536)
+                if not chunk:
+                    raise ConnectionError(f"the server closed a connection ({done} answered)")
+                buffer += chunk
+                while (end := buffer.find(b"\r\n\r\n")) >= 0:
+                    head = bytes(buffer[:end]).lower()
+                    length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+                    if len(buffer) < end + 4 + length:
+                        break
+                    del buffer[: end + 4 + length]
+                    done += 1
+                    if sent < count:
+                        conn.setblocking(True)
+                        conn.sendall(_REQUEST)
+                        conn.setblocking(False)
+                        sent += 1
+    finally:
+        for conn in buffers:
+            with contextlib.suppress(KeyError, ValueError):
+                selector.unregister(conn)
+            conn.close()
+        selector.close()
+
+
+def count_http(
+    app: str, env: Mapping[str, str], warmup: int, count: int, *, profiled: bool
+) -> HttpCount:
+    """Instructions of a callgrind'd uvicorn serving ``app`` for ``warmup`` then ``count``
+    responses and stopping; with ``profiled``, ``/stats`` read before the stop."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        port = free_port()
+        argv = [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out}",
+            *uvicorn_argv(app, port, "asyncio"),
+        ]
+        stats: dict[str, Any] = {}
+        with serve(
+            argv,
+            health_url=f"http://127.0.0.1:{port}/health",
+            env={**env, "PYTHONHASHSEED": "0"},
+            log_path=Path(tmp) / "server.log",
+            ready_timeout=900.0,
+            stop_timeout=900.0,
+        ):
+            serve_count(port, warmup)
+            before = _stats(port) if profiled else {}
+            serve_count(port, count)
+            if profiled:
+                after = _stats(port)
+                stats = {**after, "counted_ticks": after["ticks"] - before["ticks"]}
+                if "memory_samples" in after:
+                    stats["counted_samples"] = after["memory_samples"] - before["memory_samples"]
+        match = _TOTALS.search(out.read_text(encoding="utf-8", errors="replace"))
+        if match is None:
+            raise RuntimeError(f"no instruction total in callgrind's output for {app} {env}")
+        return HttpCount(int(match.group(1)), stats)
+
+
+def _stats(port: int) -> dict[str, Any]:
+    answer = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=120)
+    answer.raise_for_status()
+    stats: dict[str, Any] = answer.json()
+    return stats
