@@ -109,10 +109,21 @@ def serve_count(port: int, count: int, connections: int = 8) -> None:
 
 
 def count_http(
-    app: str, env: Mapping[str, str], warmup: int, count: int, *, profiled: bool
+    app: str,
+    env: Mapping[str, str],
+    warmup: int,
+    count: int,
+    *,
+    profiled: bool,
+    meet: int = 0,
+    meet_bytes: int | None = None,
 ) -> HttpCount:
     """Instructions of a callgrind'd uvicorn serving ``app`` for ``warmup`` then ``count``
-    responses and stopping; with ``profiled``, ``/stats`` read before the stop."""
+    responses and stopping; with ``profiled``, ``/stats`` read before the stop.
+
+    With ``meet_bytes``, the warm-up starts with ``meet`` responses sampled every
+    ``meet_bytes`` bytes (``benchmarks/apps/slowed_app.py``'s ``/sample-bytes``).
+    """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         port = free_port()
@@ -131,6 +142,10 @@ def count_http(
             ready_timeout=900.0,
             stop_timeout=900.0,
         ):
+            if meet_bytes is not None:
+                _get(port, f"/sample-bytes?{meet_bytes}")
+                serve_count(port, meet)
+                _get(port, "/sample-bytes?")
             serve_count(port, warmup)
             before = _stats(port) if profiled else {}
             serve_count(port, count)
@@ -145,8 +160,12 @@ def count_http(
         return HttpCount(int(match.group(1)), stats)
 
 
-def _stats(port: int) -> dict[str, Any]:
-    answer = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=120)
+def _get(port: int, path: str) -> httpx.Response:
+    answer = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=120)
     answer.raise_for_status()
-    stats: dict[str, Any] = answer.json()
+    return answer
+
+
+def _stats(port: int) -> dict[str, Any]:
+    stats: dict[str, Any] = _get(port, "/stats").json()
     return stats

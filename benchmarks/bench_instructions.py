@@ -95,8 +95,15 @@ STEP_COUNTS = (2000, 6000)
 # configurations, the responses counted, and the warm-up before them (a server meets most of
 # its allocation stacks in its first thousands of responses: interning them is start-up).
 HTTP_APP = "benchmarks.apps.slowed_app:app"
-HTTP_COUNTS = (500, 2500)
-HTTP_WARMUP = 3000
+HTTP_COUNTS = (500, 2000)
+HTTP_WARMUP = 500
+# The warm-up's first responses sample every MEET_SAMPLE_BYTES (as the in-process parts meet
+# their stacks), then the server samples at its configured rate again.
+HTTP_MEET = 1000
+# A count moves by up to a few thousand instructions a response between runs (which new stacks
+# the counted responses' samples meet, and when the profiler's threads wake): each runs this
+# many times and the medians are taken.
+HTTP_REPEATS = 3
 HTTP_PARTS = ["off", "nomem", "hooks", "exact"]
 
 _TOTALS = re.compile(r"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
@@ -231,20 +238,7 @@ def run(quick: bool) -> Section:
             }
         )
         receiver = stack.enter_context(PushReceiver())
-        http_jobs = {
-            part: tuple(
-                pool.submit(
-                    count_http,
-                    HTTP_APP,
-                    _http_env(part, receiver.url),
-                    HTTP_WARMUP,
-                    n,
-                    profiled=part != "off",
-                )
-                for n in HTTP_COUNTS
-            )
-            for part in HTTP_PARTS
-        }
+        http_jobs = {part: _http_jobs(pool, part, receiver.url) for part in HTTP_PARTS}
         per: dict[tuple[str, str], float] = {}
         for key, (small, large, (n_small, n_large)) in jobs.items():
             # Engine cases count steps per task; TASKS tasks take them.
@@ -385,6 +379,32 @@ def _http_env(part: str, receiver_url: str) -> dict[str, str]:
     return env
 
 
+_HttpFutures = list["concurrent.futures.Future[HttpCount]"]
+
+
+def _http_jobs(
+    pool: concurrent.futures.Executor, part: str, receiver_url: str
+) -> tuple[_HttpFutures, _HttpFutures]:
+    """``HTTP_REPEATS`` counts of each of ``HTTP_COUNTS`` for ``part``, submitted."""
+    small, large = (
+        [
+            pool.submit(
+                count_http,
+                HTTP_APP,
+                _http_env(part, receiver_url),
+                HTTP_WARMUP,
+                n,
+                profiled=part != "off",
+                meet=HTTP_MEET,
+                meet_bytes=MEET_SAMPLE_BYTES,
+            )
+            for _ in range(HTTP_REPEATS)
+        ]
+        for n in HTTP_COUNTS
+    )
+    return small, large
+
+
 @dataclass(frozen=True)
 class _HttpPart:
     """One HTTP configuration's instructions per response, and its profiler per response."""
@@ -394,19 +414,21 @@ class _HttpPart:
     samples: float
 
 
-def _http_result(
-    small: concurrent.futures.Future[HttpCount], large: concurrent.futures.Future[HttpCount]
-) -> _HttpPart:
-    few, many = small.result(), large.result()
-    for run in (few, many):
+def _http_result(small: _HttpFutures, large: _HttpFutures) -> _HttpPart:
+    few, many = [f.result() for f in small], [f.result() for f in large]
+    for run in (*few, *many):
         if run.stats and run.stats.get("mode") != "exact":
             raise RuntimeError(f"the exact profiler did not run: {run.stats!r}")
     n = HTTP_COUNTS[1] - HTTP_COUNTS[0]
-    counted = HTTP_COUNTS[1]
+    counted = HTTP_COUNTS[1] * len(many)
     return _HttpPart(
-        instructions=(many.instructions - few.instructions) / n,
-        ticks=float(many.stats.get("counted_ticks", 0)) / counted,
-        samples=float(many.stats.get("counted_samples", 0)) / counted,
+        instructions=(
+            statistics.median(r.instructions for r in many)
+            - statistics.median(r.instructions for r in few)
+        )
+        / n,
+        ticks=sum(float(r.stats.get("counted_ticks", 0)) for r in many) / counted,
+        samples=sum(float(r.stats.get("counted_samples", 0)) for r in many) / counted,
     )
 
 
@@ -428,12 +450,18 @@ def _http_report(section: Section, http: dict[str, _HttpPart]) -> None:
         "The exact section's HTTP server counted whole: `tests/e2e/exact_app.py` under a real "
         "uvicorn (asyncio) run by `valgrind --tool=callgrind`, every thread counted (the "
         "profiler's ticks, drains, encoding and uploads with the request path), serving "
-        f"`GET /health` to 8 keep-alive connections: {HTTP_WARMUP:,} responses of warm-up, "
-        f"then {HTTP_COUNTS[0]:,} or {HTTP_COUNTS[1]:,}, then a graceful stop with its last "
-        "upload; the difference between the two runs over the difference in responses is one "
-        "response's count, start-up, warm-up and shutdown cancelled out. Where the CPU-time "
-        "run's fresh processes differ by several percent from one another, this count does "
-        f"not move with load or layout. callgrind runs the server about {SLOWDOWN}x slower, so the "
+        f"`GET /health` to 8 keep-alive connections: a warm-up of {HTTP_MEET:,} responses "
+        f"with allocations sampled every {MEET_SAMPLE_BYTES:,} bytes (so that the sampler "
+        "meets the allocation stacks a long-running server has met, as the in-process parts "
+        f"above do) and {HTTP_WARMUP:,} at the configured rate, then {HTTP_COUNTS[0]:,} or "
+        f"{HTTP_COUNTS[1]:,} responses, then a graceful stop with its last upload; the "
+        "difference between the two counts over the difference in responses is one "
+        "response's, start-up, warm-up and shutdown cancelled out (each count run "
+        f"{HTTP_REPEATS} times, medians taken: a run's count moves by a few thousand "
+        "instructions a response with what its samples meet and when the profiler's threads "
+        "wake). Load and the process's layout, which move the CPU-time run by several "
+        f"percent, do not move this count. callgrind runs the server about {SLOWDOWN}x slower, "
+        "so the "
         f"profiler's clocks are stretched to match: ticks at {HTTP_TICK_HZ} Hz of callgrind's "
         "CPU time (about the ticks per response of 100 Hz natively: the *ticks* column), "
         f"uploads every {HTTP_UPLOAD_INTERVAL} s, allocation drains every "

@@ -1,14 +1,23 @@
-"""The exact section's HTTP app, with the allocation drain's wall-clock period stretched.
+"""The exact section's HTTP app, for a server under callgrind (``benchmarks/_callgrind_http.py``).
 
-For a server run under callgrind (``benchmarks/_callgrind_http.py``), which runs it about 50
-times slower: the drain thread wakes every ``0.25 s * SLOWDOWN`` of wall time instead of 0.25 s,
-so that it wakes about as often per response as natively (an idle wake-up costs thousands of
-instructions; at 50 times the rate it would be counted as part of every response). What a drain
-does per sample is the same either way. The upload interval and the tick rate are stretched
-through the environment (``PYROSCOPE_UPLOAD_INTERVAL``, ``PYROSCOPE_SAMPLE_RATE``).
+callgrind runs the server about ``SLOWDOWN`` times slower. The allocation drain thread wakes
+every ``0.25 s * SLOWDOWN`` of wall time here instead of 0.25 s, so that it wakes about as often
+per response as natively (an idle wake-up costs thousands of instructions; at 50 times the rate
+it would be counted as part of every response). What a drain does per sample is the same either
+way. The upload interval and the tick rate are stretched through the environment
+(``PYROSCOPE_UPLOAD_INTERVAL``, ``PYROSCOPE_SAMPLE_RATE``).
+
+``GET /sample-bytes?N`` restarts the allocation sampler with a mean of ``N`` bytes between
+samples, and ``GET /sample-bytes?`` with its configured mean, dropping what was sampled
+meanwhile (its stacks stay interned): the benchmark's warm-up samples
+densely first, so that the sampler meets the allocation stacks a long-running server has met
+(interning each stack once for the process's life is start-up work, and at the default rate a
+server keeps meeting new ones for tens of thousands of responses).
 """
 
 from __future__ import annotations
+
+from starlette.types import Receive, Scope, Send
 
 from spanprof._profiling._samplers._memory import MemorySampler
 
@@ -18,6 +27,42 @@ _defaults = MemorySampler.__init__.__kwdefaults__
 assert _defaults is not None
 _defaults["drain_interval"] = _defaults["drain_interval"] * SLOWDOWN
 
-from tests.e2e.exact_app import app  # noqa: E402  (after the defaults it must see)
+from tests.e2e.exact_app import app as _exact_app  # noqa: E402  (after the defaults it must see)
 
 __all__ = ["app"]
+
+_configured: list[int] = []
+
+
+def _resample(query: str) -> str:
+    sampler = getattr(_exact_app.profiler, "_memory_sampler", None)
+    if not isinstance(sampler, MemorySampler) or not sampler.running:
+        return "no allocation sampler"
+    if not _configured:
+        _configured.append(sampler.sample_bytes)
+    # Stopped and started again, the sampler keeps its interned stacks.
+    sampler.stop()
+    if not query:
+        # Back to the configured rate: the dense samples go, so that the last upload carries
+        # only what was sampled at that rate (their encoding would otherwise weigh on both
+        # counts, by more than a counted response from run to run).
+        sampler.take_window()
+    sampler.sample_bytes = int(query) if query else _configured[0]
+    sampler.start()
+    return str(sampler.sample_bytes)
+
+
+async def app(scope: Scope, receive: Receive, send: Send) -> None:
+    """The exact section's app, and ``/sample-bytes``."""
+    if scope["type"] == "http" and scope["path"] == "/sample-bytes":
+        body = _resample(scope["query_string"].decode()).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-length", b"%d" % len(body))],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+        return
+    await _exact_app(scope, receive, send)
