@@ -18,10 +18,7 @@ drain's period too (``benchmarks/apps/slowed_app.py``), and the 100 Hz CPU-time 
 
 from __future__ import annotations
 
-import contextlib
 import re
-import selectors
-import socket
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,13 +28,14 @@ from typing import Any
 import httpx
 from tests.e2e.server import free_port, serve, uvicorn_argv
 
+from ._load import load
+
 __all__ = [
     "HTTP_TICK_HZ",
     "HTTP_UPLOAD_INTERVAL",
     "SLOWDOWN",
     "HttpCount",
     "count_http",
-    "serve_count",
 ]
 
 #: About how many times slower callgrind runs the server than it runs natively.
@@ -47,7 +45,6 @@ HTTP_TICK_HZ = 100 // SLOWDOWN
 #: Seconds between uploads: the default 10 s, slowed down.
 HTTP_UPLOAD_INTERVAL = 10 * SLOWDOWN
 
-_REQUEST = b"GET /health HTTP/1.1\r\nHost: bench\r\n\r\n"
 _TOTALS = re.compile(r"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
 
 
@@ -57,55 +54,6 @@ class HttpCount:
 
     instructions: int
     stats: dict[str, Any]
-
-
-def serve_count(port: int, count: int, connections: int = 8) -> None:
-    """Have the server on ``port`` answer ``count`` ``GET /health``, ``connections`` at a time.
-
-    Keep-alive connections, one request in flight each, as the exact section's load: the
-    server's loop batches what arrives together the same way.
-    """
-    selector = selectors.DefaultSelector()
-    buffers: dict[socket.socket, bytearray] = {}
-    sent = done = 0
-    try:
-        for _ in range(min(connections, count)):
-            conn = socket.create_connection(("127.0.0.1", port))
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.sendall(_REQUEST)
-            sent += 1
-            conn.setblocking(False)
-            buffers[conn] = bytearray()
-            selector.register(conn, selectors.EVENT_READ, data=conn)
-        while done < count:
-            events = selector.select(120.0)
-            if not events:
-                raise TimeoutError(f"no response in 120 s ({done} of {count} answered)")
-            for key, _mask in events:
-                conn = key.data
-                buffer = buffers[conn]
-                chunk = conn.recv(65536)
-                if not chunk:
-                    raise ConnectionError(f"the server closed a connection ({done} answered)")
-                buffer += chunk
-                while (end := buffer.find(b"\r\n\r\n")) >= 0:
-                    head = bytes(buffer[:end]).lower()
-                    length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-                    if len(buffer) < end + 4 + length:
-                        break
-                    del buffer[: end + 4 + length]
-                    done += 1
-                    if sent < count:
-                        conn.setblocking(True)
-                        conn.sendall(_REQUEST)
-                        conn.setblocking(False)
-                        sent += 1
-    finally:
-        for conn in buffers:
-            with contextlib.suppress(KeyError, ValueError):
-                selector.unregister(conn)
-            conn.close()
-        selector.close()
 
 
 def count_http(
@@ -144,11 +92,11 @@ def count_http(
         ):
             if meet_bytes is not None:
                 _get(port, f"/sample-bytes?{meet_bytes}")
-                serve_count(port, meet)
+                load([port], count=meet)
                 _get(port, "/sample-bytes?")
-            serve_count(port, warmup)
+            load([port], count=warmup)
             before = _stats(port) if profiled else {}
-            serve_count(port, count)
+            load([port], count=count)
             if profiled:
                 after = _stats(port)
                 stats = {**after, "counted_ticks": after["ticks"] - before["ticks"]}

@@ -21,8 +21,6 @@ import contextlib
 import gc
 import json
 import math
-import selectors
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,13 +36,13 @@ from tests.e2e.server import free_port, serve, uvicorn_argv
 from spanprof._local._receiver import PushReceiver
 
 from ._child import receiver_child_arguments, run_receiver_child
+from ._load import load
 from ._report import Section, Spread, Verdict, markdown_table, paired_ratios
 from .apps.switch_app import CONFIGURATIONS, NEVER_SAMPLE_BYTES
 
 __all__ = [
     "CONCURRENCY",
     "HTTP_VARIANTS",
-    "NEVER_SAMPLE_BYTES",
     "THROUGHPUT_BUDGET",
     "main",
     "run",
@@ -227,53 +225,6 @@ def _cost(rounds: int, size: int) -> tuple[dict[str, list[float]], list[dict[str
 
 # --- throughput over HTTP ------------------------------------------------------------------------
 
-_HEALTH = b"GET /health HTTP/1.1\r\nHost: bench\r\n\r\n"
-
-
-def _load(ports: list[int], seconds: float, connections: int = 8) -> dict[int, int]:
-    """Responses each server completed in ``seconds``, all loaded at once, per port.
-
-    Each server gets ``connections`` keep-alive connections with one request in flight each, so
-    every server is busy for the whole period and what its threads do meanwhile (drains,
-    uploads) is paid out of load, as on a server that is never idle. A raw-socket client costs
-    a small fraction of what a server spends per request, so the servers stay the bottleneck.
-    """
-    selector = selectors.DefaultSelector()
-    buffers: dict[socket.socket, bytearray] = {}
-    owners: dict[socket.socket, int] = {}
-    done = dict.fromkeys(ports, 0)
-    try:
-        for port in ports:
-            for _ in range(connections):
-                conn = socket.create_connection(("127.0.0.1", port))
-                buffers[conn] = bytearray()
-                owners[conn] = port
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn.sendall(_HEALTH)
-                conn.setblocking(False)
-                selector.register(conn, selectors.EVENT_READ, data=conn)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            for key, _events in selector.select(0.1):
-                conn = key.data
-                buffer = buffers[conn]
-                buffer += conn.recv(65536)
-                while (end := buffer.find(b"\r\n\r\n")) >= 0:
-                    head = bytes(buffer[:end]).lower()
-                    length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-                    if len(buffer) < end + 4 + length:
-                        break
-                    del buffer[: end + 4 + length]
-                    done[owners[conn]] += 1
-                    conn.sendall(_HEALTH)
-    finally:
-        for conn in buffers:
-            with contextlib.suppress(KeyError, ValueError):
-                selector.unregister(conn)
-            conn.close()
-        selector.close()
-    return done
-
 
 def _process_cpu_ns(pid: int) -> int:
     """CPU time of every thread of process ``pid`` so far (Linux schedstat, nanoseconds)."""
@@ -342,22 +293,16 @@ def _schedule(rounds: int) -> list[list[str]]:
     return [[names[(s + t) % len(names)] for s in range(SERVERS)] for t in range(rounds)]
 
 
-def _effects(
-    cells: list[list[float]], schedule: list[list[str]]
-) -> tuple[list[float], list[float]]:
-    """Per-round and per-server effects of ``cells[t][s]`` (logs), each with its mean zero.
+def _server_effects(cells: list[list[float]]) -> list[float]:
+    """Each server's effect on ``cells[t][s]`` (logs), with the servers' mean at zero.
 
     The schedule is balanced (every configuration equally often in every round and, over the
-    run, on every server), so the means of rows and columns are those of the two effects plus
-    a common constant.
+    run, on every server), so a server's mean over the run is its effect plus a constant that
+    all servers share.
     """
     rounds, servers = len(cells), len(cells[0])
     grand = statistics.fmean(v for row in cells for v in row)
-    by_round = [statistics.fmean(row) - grand for row in cells]
-    by_server = [
-        statistics.fmean(cells[t][s] for t in range(rounds)) - grand for s in range(servers)
-    ]
-    return by_round, by_server
+    return [statistics.fmean(cells[t][s] for t in range(rounds)) - grand for s in range(servers)]
 
 
 def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
@@ -371,7 +316,7 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
     load, as on a busy server. A CPU-bound server's throughput is the inverse of its CPU per
     response. Fresh processes differ by several percent in it (memory layout, hash seeds), so
     a configuration's ratio in a round compares the servers running it with those running no
-    profiler, each corrected by its server's effect over the whole run (``_effects``).
+    profiler, each corrected by its server's effect over the whole run (``_server_effects``).
     """
     names = list(CONFIGURATIONS)
     if SERVERS % len(names) or rounds % len(names):
@@ -413,7 +358,7 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
             # Warm-up: every server through every configuration once.
             for t in range(len(names)):
                 switch(schedule[t])
-                _load(ports, 2.0)
+                load(ports, seconds=2.0)
             cpu_us: list[list[float]] = []
             served: list[list[float]] = []
             loop_ns = others_ns = spent_ns = default_served = 0
@@ -424,7 +369,7 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
                 defaults = [s for s, name in enumerate(schedule[t]) if name == "exact"]
                 before_stats = {s: stats(ports[s], "exact") for s in defaults}
                 threads = [_threads_cpu_ns(pid) for pid in pids]
-                by_port = _load(ports, seconds)
+                by_port = load(ports, seconds=seconds)
                 after = [_threads_cpu_ns(pid) for pid in pids]
                 counts = [by_port[port] for port in ports]
                 cpu_us.append(
@@ -459,9 +404,9 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
         if sampling != (name in ("exact", "hooks")):
             raise RuntimeError(f"memory sampling was not as configured ({name}): {found!r}")
     logs = [[math.log(v) for v in row] for row in cpu_us]
-    _, cpu_server = _effects(logs, schedule)
+    cpu_server = _server_effects(logs)
     served_logs = [[math.log(v) for v in row] for row in served]
-    _, served_server = _effects(served_logs, schedule)
+    served_server = _server_effects(served_logs)
 
     def within(values: list[list[float]], server: list[float], name: str) -> list[float]:
         # Per round: the mean over the servers running ``name`` of its log, its servers'

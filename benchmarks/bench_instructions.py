@@ -36,9 +36,10 @@ from ._callgrind_http import (
     count_http,
 )
 from ._report import Section, Verdict, markdown_table
+from .apps.switch_app import CONFIGURATIONS
 from .bench_breakdown import MEET_REQUESTS, MEET_SAMPLE_BYTES, PART_WARMUP, VARIANTS, drive_part
 from .bench_engine import TASKS
-from .bench_exact import HTTP_VARIANTS, NEVER_SAMPLE_BYTES, THROUGHPUT_BUDGET
+from .bench_exact import HTTP_VARIANTS, THROUGHPUT_BUDGET
 from .bench_memory import JSON_WARMUP, drive_json
 
 __all__ = ["main", "run"]
@@ -372,11 +373,8 @@ def _http_env(part: str, receiver_url: str) -> dict[str, str]:
         "PYROSCOPE_SAMPLE_RATE": str(HTTP_TICK_HZ),
         "PYROSCOPE_UPLOAD_INTERVAL": str(HTTP_UPLOAD_INTERVAL),
     }
-    if part == "nomem":
-        env["SPANPROF_MEMORY"] = "false"
-    elif part == "hooks":
-        env["SPANPROF_ALLOC_SAMPLE_BYTES"] = str(NEVER_SAMPLE_BYTES)
-    return env
+    # The same overrides as the CPU-time run's configurations of that name.
+    return env | dict(CONFIGURATIONS[part] or {})
 
 
 _HttpFutures = list["concurrent.futures.Future[HttpCount]"]
