@@ -24,6 +24,7 @@ from .._logging import logger
 from ._encoders._memory import MemoryEncoder, memory_series_labels
 from ._encoders._otlp import OtlpEncoder
 from ._encoders._otlp_memory import OtlpMemoryEncoder
+from ._encoders._pprof import SharedLocations
 from ._encoders._window import series_labels
 from ._exporters._fanout import WindowExporter, WindowFanout, stop_all
 from ._exporters._otlp import OtlpEncoderFactory, OtlpExporter, OtlpSettings
@@ -565,10 +566,12 @@ class ExactBackend(WithPyroscopeSettings):
         period = self.alloc_sample_bytes
         exporters: list[tuple[str, WindowExporter]] = []
         if "pyroscope" in self.exporters:
+            # A stack's location ids stay encoded from one window to the next.
+            locations = SharedLocations()
             pusher = self._pusher(
                 memory_series_labels(self.application_name, self.tags),
                 period_ns=period,
-                encoder=lambda window: MemoryEncoder(window, period=period),
+                encoder=lambda window: MemoryEncoder(window, period=period, locations=locations),
             )
             exporters.append(("memory_push_", pusher))
         if self._otlp is not None:

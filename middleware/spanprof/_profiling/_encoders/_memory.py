@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping
 
 from .._window import MemoryWindow, Window
-from ._pprof import ProfileBuilder
+from ._pprof import ProfileBuilder, SharedLocations
 from ._window import STEP_BUDGET_NS, series_labels
 
 __all__ = ["MEMORY_PERIOD_TYPE", "MEMORY_SAMPLE_TYPES", "MemoryEncoder", "memory_series_labels"]
@@ -49,6 +49,8 @@ class MemoryEncoder:
         period: the mean sample size in bytes, written as each profile's period.
         budget_ns: the time after which a slice of ``ProfileBuilder.add`` calls stops.
         max_samples: distinct samples per profile.
+        locations: location ids shared with the exporter's other windows (see
+            ``SharedLocations``), used when the calling thread can claim them.
     """
 
     def __init__(
@@ -58,8 +60,10 @@ class MemoryEncoder:
         period: int,
         budget_ns: int = STEP_BUDGET_NS,
         max_samples: int = _MAX_PROFILE_SAMPLES,
+        locations: SharedLocations | None = None,
     ) -> None:
         self.window = window
+        self._locations = None if locations is None else locations.claim()
         self.period = period
         self.budget_ns = budget_ns
         self.max_samples = max_samples
@@ -76,7 +80,9 @@ class MemoryEncoder:
         self._exhausted = False
 
     def _new_builder(self) -> ProfileBuilder:
-        return ProfileBuilder(MEMORY_SAMPLE_TYPES, MEMORY_PERIOD_TYPE, self.period)
+        return ProfileBuilder(
+            MEMORY_SAMPLE_TYPES, MEMORY_PERIOD_TYPE, self.period, locations=self._locations
+        )
 
     @property
     def done(self) -> bool:

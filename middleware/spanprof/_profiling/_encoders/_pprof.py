@@ -12,6 +12,7 @@ Field numbers follow github.com/google/pprof/proto/profile.proto.
 from __future__ import annotations
 
 import gzip
+import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ __all__ = [
     "ProfileBuilder",
     "ProfileDecodeError",
     "Sample",
+    "SharedLocations",
     "decode_profile",
     "encode_profile",
     "gunzip_bounded",
@@ -366,6 +368,100 @@ def _decode_profile(data: bytes) -> Profile:
     )
 
 
+class SharedLocations:
+    """Location and function ids kept from one profile to the next by one exporter.
+
+    A window's samples mostly repeat stacks that earlier windows had, each with other labels
+    (a memory sample with a span's labels is a sample of its own): with ids private to each
+    profile, every profile encodes each of its stacks again, frame by frame. With these, a
+    stack's location ids are encoded once, for as long as the stack stays in the tables; a
+    profile writes the Location message of each frame it uses (encoded once too) and the
+    Function messages those need, whose names it interns in its own string table. Ids are
+    sparse within one profile, which pprof allows (Pyroscope and ``go tool pprof`` map them).
+
+    One exporter thread uses it at a time: ``claim()`` hands it to the calling thread unless
+    another live thread has it (the caller then encodes with private ids), and forgets every
+    id first when it has grown past its bounds, so a claim is the only moment ids change.
+    """
+
+    def __init__(self, *, max_locations: int = 65536, max_stacks: int = 16384) -> None:
+        self.max_locations = max_locations
+        self.max_stacks = max_stacks
+        self._lock = threading.Lock()
+        self._owner: threading.Thread | None = None
+        self.clears = 0
+        self._clear()
+
+    def _clear(self) -> None:
+        self._locations: dict[Frame, int] = {}
+        # By location id - 1: the encoded Location field, and its function's id.
+        self.location_fields: list[bytes] = []
+        self.location_functions: list[int] = []
+        self._functions: dict[tuple[str, str], int] = {}
+        # By function id - 1: (name, filename).
+        self.function_keys: list[tuple[str, str]] = []
+        # id(stack) -> (stack, its packed sample.location_id field, its location ids); the
+        # stack is kept so that its id stays its own.
+        self._stacks: dict[int, tuple[Sequence[Frame], bytes, tuple[int, ...]]] = {}
+
+    def __len__(self) -> int:
+        """Locations known."""
+        return len(self.location_fields)
+
+    def claim(self) -> SharedLocations | None:
+        """These ids for the calling thread's next profiles, or ``None`` (another has them)."""
+        with self._lock:
+            me = threading.current_thread()
+            owner = self._owner
+            if owner is not None and owner is not me and owner.is_alive():
+                return None
+            self._owner = me
+            if (
+                len(self.location_fields) > self.max_locations
+                or len(self._stacks) > self.max_stacks
+            ):
+                self._clear()
+                self.clears += 1
+            return self
+
+    def stack(self, stack: Sequence[Frame]) -> tuple[Sequence[Frame], bytes, tuple[int, ...]]:
+        """``stack``'s entry: ``(stack, packed location ids field, location ids)``."""
+        entry = self._stacks.get(id(stack))
+        if entry is not None and entry[0] is stack:
+            return entry
+        ids = tuple([self._location_id(frame) for frame in stack])
+        field = bytearray()
+        put_packed_varints_field(field, _S_LOCATION_ID, ids)
+        entry = (stack, bytes(field), ids)
+        if type(stack) is tuple:  # a list could change under the same id
+            self._stacks[id(stack)] = entry
+        return entry
+
+    def _location_id(self, frame: Frame) -> int:
+        lid = self._locations.get(frame)
+        if lid is not None:
+            return lid
+        fkey = (frame.function, frame.filename)
+        fid = self._functions.get(fkey)
+        if fid is None:
+            fid = len(self.function_keys) + 1
+            self._functions[fkey] = fid
+            self.function_keys.append(fkey)
+        lid = len(self.location_fields) + 1
+        self._locations[frame] = lid
+        line = bytearray()
+        put_varint_field(line, _LINE_FUNCTION_ID, fid)
+        put_varint_field(line, _LINE_LINE, frame.line)
+        msg = bytearray()
+        put_varint_field(msg, _LOC_ID, lid)
+        put_bytes_field(msg, _LOC_LINE, line)
+        field = bytearray()
+        put_bytes_field(field, _P_LOCATION, msg)
+        self.location_fields.append(bytes(field))
+        self.location_functions.append(fid)
+        return lid
+
+
 class ProfileBuilder:
     """Incrementally build a pprof profile, interning strings, functions and locations.
 
@@ -376,7 +472,8 @@ class ProfileBuilder:
     order for merging to be effective.
 
     One builder produces one profile; create a new builder (or ``reset()``) per
-    upload interval.
+    upload interval. With ``locations`` (claimed by the calling thread), its location and
+    function ids are those shared ids.
     """
 
     def __init__(
@@ -387,7 +484,9 @@ class ProfileBuilder:
         *,
         comments: Sequence[str] = (),
         default_sample_type: str = "",
+        locations: SharedLocations | None = None,
     ) -> None:
+        self._shared = locations
         self._sample_types = tuple((t, u) for t, u in sample_types)
         if period_type is None:
             period_type = self._sample_types[0] if self._sample_types else ("", "")
@@ -418,6 +517,10 @@ class ProfileBuilder:
         self._label_fields: dict[int, tuple[Sequence[tuple[str, str]], bytes]] = {}
         self._samples: list[tuple[bytes, bytes, list[int]]] = []
         self._sample_index: dict[tuple[bytes, bytes], int] = {}
+        # With shared locations: the location ids the samples use, and the stacks (by their
+        # packed field) already counted in them.
+        self._used_locations: set[int] = set()
+        self._used_stacks: set[bytes] = set()
         # Header strings are interned up front so the string table is complete
         # whenever build() runs.
         for t, u in (*self._sample_types, self._period_type):
@@ -504,13 +607,7 @@ class ProfileBuilder:
         into it by summing values.
         """
         values = self._values(value)
-        cached = self._stack_locations.get(id(stack))
-        if cached is not None and cached[0] is stack:
-            locations = cached[1]
-        else:
-            locations = self._locations_field(stack)
-            if type(stack) is tuple:  # a list could change under the same id
-                self._stack_locations[id(stack)] = (stack, locations)
+        locations = self._stack_field(stack)
         cached_labels = self._label_fields.get(id(labels))
         if cached_labels is not None and cached_labels[0] is labels:
             label_field = cached_labels[1]
@@ -534,6 +631,23 @@ class ProfileBuilder:
             for i, v in enumerate(values):
                 acc[i] += v
 
+    def _stack_field(self, stack: Sequence[Frame]) -> bytes:
+        """``stack``'s packed sample.location_id field, its locations interned."""
+        shared = self._shared
+        if shared is not None:
+            _, locations, ids = shared.stack(stack)
+            if locations not in self._used_stacks:
+                self._used_stacks.add(locations)
+                self._used_locations.update(ids)
+            return locations
+        cached = self._stack_locations.get(id(stack))
+        if cached is not None and cached[0] is stack:
+            return cached[1]
+        locations = self._locations_field(stack)
+        if type(stack) is tuple:  # a list could change under the same id
+            self._stack_locations[id(stack)] = (stack, locations)
+        return locations
+
     def _locations_field(self, stack: Sequence[Frame]) -> bytes:
         field = bytearray()
         put_packed_varints_field(field, _S_LOCATION_ID, [self._location_id(f) for f in stack])
@@ -550,8 +664,27 @@ class ProfileBuilder:
             put_bytes_field(field, _S_LABEL, self._num_label_bytes(num))
         return bytes(field)
 
+    def _shared_tables(self, buf: bytearray, shared: SharedLocations) -> None:
+        """The Location and Function messages of the shared ids the samples use."""
+        fields = shared.location_fields
+        functions = shared.location_functions
+        used_functions: set[int] = set()
+        for lid in sorted(self._used_locations):
+            buf += fields[lid - 1]
+            used_functions.add(functions[lid - 1])
+        keys = shared.function_keys
+        for fid in sorted(used_functions):
+            name, filename = keys[fid - 1]
+            name_idx = self._intern(name)
+            msg = bytearray()
+            put_varint_field(msg, _F_ID, fid)
+            put_varint_field(msg, _F_NAME, name_idx)
+            put_varint_field(msg, _F_SYSTEM_NAME, name_idx)
+            put_varint_field(msg, _F_FILENAME, self._intern(filename))
+            put_bytes_field(buf, _P_FUNCTION, msg)
+
     def _add_unmerged(self, sample: Sample) -> None:
-        locations = self._locations_field(sample.stack)
+        locations = self._stack_field(sample.stack)
         label_field = self._labels_field(sample.labels, sample.num_labels)
         self._samples.append((locations, label_field, self._values(sample.values)))
 
@@ -570,8 +703,11 @@ class ProfileBuilder:
             put_packed_varints_field(msg, _S_VALUE, values)
             msg += label_field
             put_bytes_field(buf, _P_SAMPLE, msg)
-        buf += self._location_buf
-        buf += self._function_buf
+        if self._shared is None:
+            buf += self._location_buf
+            buf += self._function_buf
+        else:
+            self._shared_tables(buf, self._shared)
         for s in self._string_list:
             put_string_field(buf, _P_STRING_TABLE, s)
         put_varint_field(buf, _P_TIME_NANOS, time_nanos)

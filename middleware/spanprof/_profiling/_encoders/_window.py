@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from ..._version import __version__
 from .._window import Window
-from ._pprof import ProfileBuilder
+from ._pprof import ProfileBuilder, SharedLocations
 
 __all__ = ["STEP_BUDGET_NS", "WindowEncoder", "series_labels"]
 
@@ -48,6 +48,8 @@ class WindowEncoder:
         budget_ns: the time after which a slice of ``ProfileBuilder.add`` calls stops.
         max_samples: distinct samples per profile to start with; adapted so that one profile's
             ``build()`` takes about a millisecond at most.
+        locations: location ids shared with the exporter's other windows (see
+            ``SharedLocations``), used when the calling thread can claim them.
     """
 
     def __init__(
@@ -57,8 +59,10 @@ class WindowEncoder:
         period_ns: int,
         budget_ns: int = STEP_BUDGET_NS,
         max_samples: int = 32,
+        locations: SharedLocations | None = None,
     ) -> None:
         self.window = window
+        self._locations = None if locations is None else locations.claim()
         self.period_ns = period_ns
         self.budget_ns = budget_ns
         self.max_samples = max_samples
@@ -69,7 +73,12 @@ class WindowEncoder:
         self._exhausted = False
 
     def _new_builder(self) -> ProfileBuilder:
-        return ProfileBuilder((("cpu", "nanoseconds"),), ("cpu", "nanoseconds"), self.period_ns)
+        return ProfileBuilder(
+            (("cpu", "nanoseconds"),),
+            ("cpu", "nanoseconds"),
+            self.period_ns,
+            locations=self._locations,
+        )
 
     @property
     def done(self) -> bool:

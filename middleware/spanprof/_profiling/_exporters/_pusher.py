@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from ..._config import parse_header_value, parse_server_address, redact_url, split_credentials
 from ..._logging import log_once
 from ..._version import __version__
+from .._encoders._pprof import SharedLocations
 from .._encoders._push import PUSH_CONTENT_TYPE, PUSH_PATH, encode_push_request
 from .._encoders._window import WindowEncoder
 from .._window import Window
@@ -118,6 +119,8 @@ class Pusher(IntervalExporter):
         self.period_ns = period_ns
         self.timeout = timeout
         self._encoder = encoder
+        # A stack's location ids stay encoded from one window to the next.
+        self._locations = SharedLocations()
         self._headers = {
             "Content-Type": PUSH_CONTENT_TYPE,
             "Content-Encoding": "gzip",
@@ -163,7 +166,7 @@ class Pusher(IntervalExporter):
 
     def _encode(self, window: Window) -> bytes:
         encoder: StepEncoder = (
-            WindowEncoder(window, period_ns=self.period_ns)
+            WindowEncoder(window, period_ns=self.period_ns, locations=self._locations)
             if self._encoder is None
             else self._encoder(window)
         )
