@@ -573,8 +573,12 @@ def test_stop_gives_up_after_the_flush_timeout_when_the_server_is_down() -> None
     assert pusher.stats()["uploads"] == 0
 
 
-def test_window_encoding_steps_stay_short_and_lose_nothing() -> None:
-    """4,000 distinct deep samples encode in steps of < 2 ms CPU into several profiles."""
+@pytest.mark.parametrize(("max_samples", "profiles"), [(None, 1), (1000, 4)])
+def test_window_encoding_steps_stay_short_and_lose_nothing(
+    max_samples: int | None, profiles: int
+) -> None:
+    """4,000 distinct deep samples encode in steps of < 2 ms CPU: into one profile, written
+    a slice at a time, or into several when a profile may hold fewer."""
     tables = StackTables()
     codes = [fn.__code__ for fn in (_leaf, _root, _labels, _window, _windows, _pusher)]
     window = Window(time.time_ns(), tables)
@@ -585,7 +589,11 @@ def test_window_encoding_steps_stay_short_and_lose_nothing() -> None:
         )
         window.values[(tables.stack_of(key), _labels(n))] = n + 1
     window.end_ns = window.start_ns + 10_000_000_000
-    encoder = WindowEncoder(window, period_ns=10_000_000)
+    encoder = (
+        WindowEncoder(window, period_ns=10_000_000)
+        if max_samples is None
+        else WindowEncoder(window, period_ns=10_000_000, max_samples=max_samples)
+    )
     longest = 0
     # A collection of the whole test process's heap can start in any step: that pause is
     # sized by the heap, not by the encoding work measured here.
@@ -598,12 +606,12 @@ def test_window_encoding_steps_stay_short_and_lose_nothing() -> None:
     finally:
         gc.enable()
     assert longest < 2_000_000
-    assert len(encoder.profiles) > 1
-    profiles = [decode_profile(raw) for raw in encoder.profiles]
-    assert sum(len(p.samples) for p in profiles) == 4000
-    assert sum(p.total() for p in profiles) == sum(range(1, 4001))
-    assert all(len(s.stack) == 48 for p in profiles for s in p.samples)
-    assert {s.label("span_id") for p in profiles for s in p.samples} == {
+    assert len(encoder.profiles) == profiles
+    decoded = [decode_profile(raw) for raw in encoder.profiles]
+    assert sum(len(p.samples) for p in decoded) == 4000
+    assert sum(p.total() for p in decoded) == sum(range(1, 4001))
+    assert all(len(s.stack) == 48 for p in decoded for s in p.samples)
+    assert {s.label("span_id") for p in decoded for s in p.samples} == {
         _labels(n)["span_id"] for n in range(4000)
     }
 

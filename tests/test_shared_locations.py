@@ -7,10 +7,12 @@ decoder and with ``go tool pprof``) as the same samples as a profile with privat
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -263,3 +265,42 @@ def test_labels_and_values_merge_as_before(locations: str | None) -> None:
         pass
     ((stack, value, _),) = _samples(encoder.profiles)
     assert (stack, value) == (A, 13)
+
+
+@pytest.mark.parametrize(("max_samples", "profiles"), [(None, 1), (1000, 3)])
+def test_a_big_memory_window_is_written_in_short_slices(
+    max_samples: int | None, profiles: int
+) -> None:
+    """3,000 distinct memory samples: steps of < 2 ms CPU, one profile written a slice at a
+    time (or one per max_samples), nothing lost."""
+    tables, sids = _tables(A, B, C)
+    keys = [(sids[n % 3], _span(n)) for n in range(3000)]
+    window = MemoryWindow(
+        0,
+        tables,
+        values={key: 1000 + n for n, key in enumerate(keys)},
+        end_ns=5,
+        alloc_objects=dict.fromkeys(keys, 1),
+    )
+    shared = SharedLocations()
+    encoder = (
+        MemoryEncoder(window, period=524288, locations=shared)
+        if max_samples is None
+        else MemoryEncoder(window, period=524288, locations=shared, max_samples=max_samples)
+    )
+    longest = steps = 0
+    gc.disable()  # a collection of the test process's heap is not the encoder's work
+    try:
+        while not encoder.done:
+            started = time.thread_time_ns()
+            encoder.step()
+            longest = max(longest, time.thread_time_ns() - started)
+            steps += 1
+    finally:
+        gc.enable()
+    assert longest < 2_000_000
+    assert steps > 1
+    assert len(encoder.profiles) == profiles
+    decoded = [s for raw in encoder.profiles for s in decode_profile(raw).samples]
+    assert len(decoded) == 3000
+    assert sum(s.values[1] for s in decoded) == sum(1000 + n for n in range(3000))

@@ -12,11 +12,11 @@ pyroscope-io's memory samples lack.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 
 from .._window import MemoryWindow, Window
-from ._pprof import ProfileBuilder, SharedLocations
-from ._window import STEP_BUDGET_NS, series_labels
+from ._pprof import ProfileBuilder, SharedLocations, next_slice
+from ._window import MAX_PROFILE_SAMPLES, STEP_BUDGET_NS, series_labels
 
 __all__ = ["MEMORY_PERIOD_TYPE", "MEMORY_SAMPLE_TYPES", "MemoryEncoder", "memory_series_labels"]
 
@@ -27,8 +27,6 @@ MEMORY_SAMPLE_TYPES = (
     ("inuse_space", "bytes"),
 )
 MEMORY_PERIOD_TYPE = ("space", "bytes")
-
-_MAX_PROFILE_SAMPLES = 512
 
 
 def memory_series_labels(application_name: str, tags: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -59,7 +57,7 @@ class MemoryEncoder:
         *,
         period: int,
         budget_ns: int = STEP_BUDGET_NS,
-        max_samples: int = _MAX_PROFILE_SAMPLES,
+        max_samples: int = MAX_PROFILE_SAMPLES,
         locations: SharedLocations | None = None,
     ) -> None:
         self.window = window
@@ -76,7 +74,7 @@ class MemoryEncoder:
             self._alloc_objects, self._inuse, keys = {}, {}, []
         self._keys = iter(keys)
         self._builder = self._new_builder()
-        self._build_next = False
+        self._building: Generator[None, None, bytes] | None = None
         self._exhausted = False
 
     def _new_builder(self) -> ProfileBuilder:
@@ -87,12 +85,16 @@ class MemoryEncoder:
     @property
     def done(self) -> bool:
         """Whether every sample is in ``profiles``."""
-        return self._exhausted and not self._build_next
+        return self._exhausted and self._building is None
 
     def step(self) -> bool:
         """Do one slice of work; return ``True`` when the window is fully encoded."""
-        if self._build_next:
-            self._build()
+        if self._building is not None:
+            profile = next_slice(self._building)
+            if profile is not None:
+                self.profiles.append(profile)
+                self._building = None
+                self._builder = self._new_builder()
             return self.done
         window = self.window
         builder = self._builder
@@ -111,20 +113,19 @@ class MemoryEncoder:
             if any(values):
                 builder.add(window.stack(key[0]), values, key[1].items_tuple)
             if len(builder) >= self.max_samples:
-                self._build_next = True
+                self._build()
                 return False
             if time.perf_counter_ns() > deadline:
                 return False
         self._exhausted = True
-        self._build_next = len(builder) > 0
+        if len(builder):
+            self._build()
         return self.done
 
     def _build(self) -> None:
         window = self.window
-        self.profiles.append(
-            self._builder.build(
-                time_nanos=window.start_ns, duration_nanos=max(0, window.end_ns - window.start_ns)
-            )
+        self._building = self._builder.build_in_slices(
+            time_nanos=window.start_ns,
+            duration_nanos=max(0, window.end_ns - window.start_ns),
+            budget_ns=self.budget_ns,
         )
-        self._builder = self._new_builder()
-        self._build_next = False

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import gzip
 import threading
+import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 from .._window import Frame
@@ -42,6 +43,7 @@ __all__ = [
     "encode_profile",
     "gunzip_bounded",
     "maybe_gunzip",
+    "next_slice",
 ]
 
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -664,25 +666,6 @@ class ProfileBuilder:
             put_bytes_field(field, _S_LABEL, self._num_label_bytes(num))
         return bytes(field)
 
-    def _shared_tables(self, buf: bytearray, shared: SharedLocations) -> None:
-        """The Location and Function messages of the shared ids the samples use."""
-        fields = shared.location_fields
-        functions = shared.location_functions
-        used_functions: set[int] = set()
-        for lid in sorted(self._used_locations):
-            buf += fields[lid - 1]
-            used_functions.add(functions[lid - 1])
-        keys = shared.function_keys
-        for fid in sorted(used_functions):
-            name, filename = keys[fid - 1]
-            name_idx = self._intern(name)
-            msg = bytearray()
-            put_varint_field(msg, _F_ID, fid)
-            put_varint_field(msg, _F_NAME, name_idx)
-            put_varint_field(msg, _F_SYSTEM_NAME, name_idx)
-            put_varint_field(msg, _F_FILENAME, self._intern(filename))
-            put_bytes_field(buf, _P_FUNCTION, msg)
-
     def _add_unmerged(self, sample: Sample) -> None:
         locations = self._stack_field(sample.stack)
         label_field = self._labels_field(sample.labels, sample.num_labels)
@@ -690,6 +673,25 @@ class ProfileBuilder:
 
     def build(self, *, time_nanos: int = 0, duration_nanos: int = 0) -> bytes:
         """Serialise the profile as raw (not gzip-compressed) pprof bytes."""
+        slices = self.build_in_slices(time_nanos=time_nanos, duration_nanos=duration_nanos)
+        while True:
+            profile = next_slice(slices)
+            if profile is not None:
+                return profile
+
+    def build_in_slices(
+        self, *, time_nanos: int = 0, duration_nanos: int = 0, budget_ns: int | None = None
+    ) -> Generator[None, None, bytes]:
+        """``build()`` a slice at a time: each ``next()`` works until ``budget_ns`` has passed
+        (``None``: to the end), and the generator returns the profile (see ``next_slice``).
+
+        An encoder holds the GIL while it works: one profile per window, written in slices,
+        keeps each hold short without splitting the window into profiles that would each
+        carry their locations, functions and strings again. Add nothing meanwhile.
+        """
+        clock = time.perf_counter_ns
+        budget = budget_ns if budget_ns is not None else 1 << 62
+        deadline = clock() + budget
         buf = bytearray()
         strings = self._strings
         for t, u in self._sample_types:
@@ -698,18 +700,48 @@ class ProfileBuilder:
             put_varint_field(vt, _VT_UNIT, strings[u])
             put_bytes_field(buf, _P_SAMPLE_TYPE, vt)
         msg = bytearray()
-        for locations, label_field, values in self._samples:
+        for n, (locations, label_field, values) in enumerate(self._samples, 1):
             msg[:] = locations
             put_packed_varints_field(msg, _S_VALUE, values)
             msg += label_field
             put_bytes_field(buf, _P_SAMPLE, msg)
-        if self._shared is None:
+            if not n & 63 and clock() > deadline:
+                yield
+                deadline = clock() + budget
+        shared = self._shared
+        if shared is None:
             buf += self._location_buf
             buf += self._function_buf
         else:
-            self._shared_tables(buf, self._shared)
-        for s in self._string_list:
-            put_string_field(buf, _P_STRING_TABLE, s)
+            # The Location and Function messages of the shared ids the samples use; the
+            # functions' names go into this profile's string table.
+            fields = shared.location_fields
+            functions = shared.location_functions
+            used_functions: set[int] = set()
+            for n, lid in enumerate(sorted(self._used_locations), 1):
+                buf += fields[lid - 1]
+                used_functions.add(functions[lid - 1])
+                if not n & 255 and clock() > deadline:
+                    yield
+                    deadline = clock() + budget
+            keys = shared.function_keys
+            for n, fid in enumerate(sorted(used_functions), 1):
+                name, filename = keys[fid - 1]
+                name_idx = self._intern(name)
+                msg = bytearray()
+                put_varint_field(msg, _F_ID, fid)
+                put_varint_field(msg, _F_NAME, name_idx)
+                put_varint_field(msg, _F_SYSTEM_NAME, name_idx)
+                put_varint_field(msg, _F_FILENAME, self._intern(filename))
+                put_bytes_field(buf, _P_FUNCTION, msg)
+                if not n & 63 and clock() > deadline:
+                    yield
+                    deadline = clock() + budget
+        for n, text in enumerate(self._string_list, 1):
+            put_string_field(buf, _P_STRING_TABLE, text)
+            if not n & 127 and clock() > deadline:
+                yield
+                deadline = clock() + budget
         put_varint_field(buf, _P_TIME_NANOS, time_nanos)
         put_varint_field(buf, _P_DURATION_NANOS, duration_nanos)
         if self._period_type != ("", ""):
@@ -721,6 +753,16 @@ class ProfileBuilder:
         put_packed_varints_field(buf, _P_COMMENT, (strings[c] for c in self._comments))
         put_varint_field(buf, _P_DEFAULT_SAMPLE_TYPE, strings[self._default_sample_type])
         return bytes(buf)
+
+
+def next_slice(slices: Generator[None, None, bytes]) -> bytes | None:
+    """Run one slice of a ``ProfileBuilder.build_in_slices``: the profile once it is built."""
+    try:
+        next(slices)
+    except StopIteration as done:
+        profile: bytes = done.value
+        return profile
+    return None
 
 
 def encode_profile(profile: Profile) -> bytes:

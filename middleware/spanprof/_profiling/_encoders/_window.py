@@ -1,8 +1,10 @@
 """Turns a sampler's ``Window`` into pprof profiles, in slices short enough to share the GIL.
 
-Samples are added to a ``ProfileBuilder`` a few at a time, and a window with many distinct
-samples becomes several small pprof profiles instead of one big one that takes milliseconds to
-serialise. ``series_labels`` are the push's series labels, exactly as pyroscope-io sends them.
+Samples are added to a ``ProfileBuilder`` a few at a time, and the profile is written a slice
+at a time too (``build_in_slices``): a window is one profile (up to ``MAX_PROFILE_SAMPLES``
+distinct samples), whose locations, functions and strings are written once, and no slice holds
+the GIL for long. ``series_labels`` are the push's series labels, exactly as pyroscope-io sends
+them.
 """
 
 from __future__ import annotations
@@ -10,20 +12,19 @@ from __future__ import annotations
 import platform
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 
 from ..._version import __version__
 from .._window import Window
-from ._pprof import ProfileBuilder, SharedLocations
+from ._pprof import ProfileBuilder, SharedLocations, next_slice
 
-__all__ = ["STEP_BUDGET_NS", "WindowEncoder", "series_labels"]
+__all__ = ["MAX_PROFILE_SAMPLES", "STEP_BUDGET_NS", "WindowEncoder", "series_labels"]
 
 # Each slice of encoding work stops after this much time.
 STEP_BUDGET_NS = 500_000
-# A profile's build() is one step: keep profiles small enough that it stays short.
-_BUILD_TARGET_NS = 1_000_000
-_MIN_PROFILE_SAMPLES = 8
-_MAX_PROFILE_SAMPLES = 1024
+#: Distinct samples per profile; a bigger window becomes several (Pyroscope refuses profiles of
+#: more than 16,000 by default).
+MAX_PROFILE_SAMPLES = 4096
 
 
 def series_labels(application_name: str, tags: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -46,8 +47,7 @@ class WindowEncoder:
         window: the samples to encode (no longer written by the sampler).
         period_ns: the sampling period written into each profile.
         budget_ns: the time after which a slice of ``ProfileBuilder.add`` calls stops.
-        max_samples: distinct samples per profile to start with; adapted so that one profile's
-            ``build()`` takes about a millisecond at most.
+        max_samples: distinct samples per profile.
         locations: location ids shared with the exporter's other windows (see
             ``SharedLocations``), used when the calling thread can claim them.
     """
@@ -58,7 +58,7 @@ class WindowEncoder:
         *,
         period_ns: int,
         budget_ns: int = STEP_BUDGET_NS,
-        max_samples: int = 32,
+        max_samples: int = MAX_PROFILE_SAMPLES,
         locations: SharedLocations | None = None,
     ) -> None:
         self.window = window
@@ -69,7 +69,7 @@ class WindowEncoder:
         self.profiles: list[bytes] = []
         self._items = iter(list(window.values.items()))
         self._builder = self._new_builder()
-        self._build_next = False
+        self._building: Generator[None, None, bytes] | None = None
         self._exhausted = False
 
     def _new_builder(self) -> ProfileBuilder:
@@ -83,12 +83,16 @@ class WindowEncoder:
     @property
     def done(self) -> bool:
         """Whether every sample is in ``profiles``."""
-        return self._exhausted and not self._build_next
+        return self._exhausted and self._building is None
 
     def step(self) -> bool:
         """Do one slice of work; return ``True`` when the window is fully encoded."""
-        if self._build_next:
-            self._build()
+        if self._building is not None:
+            profile = next_slice(self._building)
+            if profile is not None:
+                self.profiles.append(profile)
+                self._building = None
+                self._builder = self._new_builder()
             return self.done
         window = self.window
         builder = self._builder
@@ -96,26 +100,19 @@ class WindowEncoder:
         for (sid, labels), value in self._items:
             builder.add(window.stack(sid), value, labels.items_tuple)
             if len(builder) >= self.max_samples:
-                self._build_next = True
+                self._build()
                 return False
             if time.perf_counter_ns() > deadline:
                 return False
         self._exhausted = True
-        self._build_next = len(builder) > 0
+        if len(builder):
+            self._build()
         return self.done
 
     def _build(self) -> None:
-        started = time.perf_counter_ns()
         window = self.window
-        self.profiles.append(
-            self._builder.build(
-                time_nanos=window.start_ns, duration_nanos=max(0, window.end_ns - window.start_ns)
-            )
+        self._building = self._builder.build_in_slices(
+            time_nanos=window.start_ns,
+            duration_nanos=max(0, window.end_ns - window.start_ns),
+            budget_ns=self.budget_ns,
         )
-        took = time.perf_counter_ns() - started
-        if took > _BUILD_TARGET_NS:
-            self.max_samples = max(_MIN_PROFILE_SAMPLES, self.max_samples // 2)
-        elif took < _BUILD_TARGET_NS // 4:
-            self.max_samples = min(_MAX_PROFILE_SAMPLES, self.max_samples * 2)
-        self._builder = self._new_builder()
-        self._build_next = False
