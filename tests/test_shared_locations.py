@@ -19,7 +19,12 @@ import pytest
 
 from spanprof._labels._labelset import LabelSet
 from spanprof._profiling._encoders._memory import MemoryEncoder
-from spanprof._profiling._encoders._pprof import SharedLocations, decode_profile
+from spanprof._profiling._encoders._pprof import (
+    ProfileBuilder,
+    SharedLocations,
+    decode_profile,
+    next_slice,
+)
 from spanprof._profiling._encoders._protowire import (
     as_bytes,
     as_int,
@@ -304,3 +309,28 @@ def test_a_big_memory_window_is_written_in_short_slices(
     decoded = [s for raw in encoder.profiles for s in decode_profile(raw).samples]
     assert len(decoded) == 3000
     assert sum(s.values[1] for s in decoded) == sum(1000 + n for n in range(3000))
+
+
+@pytest.mark.parametrize("locations", [None, "shared"])
+def test_a_released_builder_wrote_the_same_profile_and_holds_nothing(
+    locations: str | None,
+) -> None:
+    """build_in_slices(release=True) frees the builder's samples and tables in slices
+    (freeing a big profile's objects at once is a long GIL hold): same bytes as build()."""
+    shared = SharedLocations() if locations else None
+    profiles = []
+    for release in (False, True):
+        builder = ProfileBuilder(locations=shared)
+        for n in range(600):
+            builder.add((A, B, C)[n % 3], n + 1, _span(n).items_tuple)
+        slices = builder.build_in_slices(time_nanos=5, budget_ns=1, release=release)
+        steps = 0
+        while (profile := next_slice(slices)) is None:
+            steps += 1
+        profiles.append(profile)
+        assert steps > 1
+        assert (len(builder), len(builder._label_cache), len(builder._sample_index)) == (
+            (600, 601, 600) if not release else (0, 0, 0)
+        )
+    assert profiles[0] == profiles[1]
+    assert len(decode_profile(profiles[1]).samples) == 600

@@ -128,4 +128,5 @@ class MemoryEncoder:
             time_nanos=window.start_ns,
             duration_nanos=max(0, window.end_ns - window.start_ns),
             budget_ns=self.budget_ns,
+            release=True,
         )

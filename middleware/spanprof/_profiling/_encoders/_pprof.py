@@ -17,6 +17,7 @@ import time
 import zlib
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .._window import Frame
 from ._protowire import (
@@ -680,14 +681,21 @@ class ProfileBuilder:
                 return profile
 
     def build_in_slices(
-        self, *, time_nanos: int = 0, duration_nanos: int = 0, budget_ns: int | None = None
+        self,
+        *,
+        time_nanos: int = 0,
+        duration_nanos: int = 0,
+        budget_ns: int | None = None,
+        release: bool = False,
     ) -> Generator[None, None, bytes]:
         """``build()`` a slice at a time: each ``next()`` works until ``budget_ns`` has passed
         (``None``: to the end), and the generator returns the profile (see ``next_slice``).
 
         An encoder holds the GIL while it works: one profile per window, written in slices,
         keeps each hold short without splitting the window into profiles that would each
-        carry their locations, functions and strings again. Add nothing meanwhile.
+        carry their locations, functions and strings again. Add nothing meanwhile. With
+        ``release``, the builder's samples and tables are then freed in slices too (tens of
+        thousands of objects, freed at once, hold the GIL for milliseconds), leaving it empty.
         """
         clock = time.perf_counter_ns
         budget = budget_ns if budget_ns is not None else 1 << 62
@@ -718,14 +726,15 @@ class ProfileBuilder:
             fields = shared.location_fields
             functions = shared.location_functions
             used_functions: set[int] = set()
-            for n, lid in enumerate(sorted(self._used_locations), 1):
+            # In set order: sorting tens of thousands of ids would be one long GIL hold.
+            for n, lid in enumerate(self._used_locations, 1):
                 buf += fields[lid - 1]
                 used_functions.add(functions[lid - 1])
                 if not n & 255 and clock() > deadline:
                     yield
                     deadline = clock() + budget
             keys = shared.function_keys
-            for n, fid in enumerate(sorted(used_functions), 1):
+            for n, fid in enumerate(used_functions, 1):
                 name, filename = keys[fid - 1]
                 name_idx = self._intern(name)
                 msg = bytearray()
@@ -752,7 +761,36 @@ class ProfileBuilder:
         put_varint_field(buf, _P_PERIOD, self._period)
         put_packed_varints_field(buf, _P_COMMENT, (strings[c] for c in self._comments))
         put_varint_field(buf, _P_DEFAULT_SAMPLE_TYPE, strings[self._default_sample_type])
-        return bytes(buf)
+        profile = bytes(buf)
+        if release:
+            del buf, msg
+            lists: tuple[list[Any], ...] = (self._samples, self._string_list)
+            dicts: tuple[dict[Any, Any], ...] = (
+                self._sample_index,
+                self._label_fields,
+                self._label_cache,
+                self._strings,
+                self._stack_locations,
+                self._locations,
+                self._functions,
+            )
+            for items in lists:
+                while items:
+                    del items[-256:]
+                    if clock() > deadline:
+                        yield
+                        deadline = clock() + budget
+            for table in dicts:
+                pop = table.popitem
+                for n in range(len(table)):
+                    pop()
+                    if not n & 255 and clock() > deadline:
+                        yield
+                        deadline = clock() + budget
+            self._used_stacks.clear()
+            self._used_locations.clear()
+            self.reset()
+        return profile
 
 
 def next_slice(slices: Generator[None, None, bytes]) -> bytes | None:
