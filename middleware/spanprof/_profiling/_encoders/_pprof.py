@@ -371,6 +371,17 @@ def _decode_profile(data: bytes) -> Profile:
     )
 
 
+def _put_location_field(buf: bytearray, lid: int, fid: int, line: int) -> None:
+    """Append the Profile.location field of location ``lid``: one line of function ``fid``."""
+    line_msg = bytearray()
+    put_varint_field(line_msg, _LINE_FUNCTION_ID, fid)
+    put_varint_field(line_msg, _LINE_LINE, line)
+    msg = bytearray()
+    put_varint_field(msg, _LOC_ID, lid)
+    put_bytes_field(msg, _LOC_LINE, line_msg)
+    put_bytes_field(buf, _P_LOCATION, msg)
+
+
 class SharedLocations:
     """Location and function ids kept from one profile to the next by one exporter.
 
@@ -452,14 +463,8 @@ class SharedLocations:
             self.function_keys.append(fkey)
         lid = len(self.location_fields) + 1
         self._locations[frame] = lid
-        line = bytearray()
-        put_varint_field(line, _LINE_FUNCTION_ID, fid)
-        put_varint_field(line, _LINE_LINE, frame.line)
-        msg = bytearray()
-        put_varint_field(msg, _LOC_ID, lid)
-        put_bytes_field(msg, _LOC_LINE, line)
         field = bytearray()
-        put_bytes_field(field, _P_LOCATION, msg)
+        _put_location_field(field, lid, fid, frame.line)
         self.location_fields.append(bytes(field))
         self.location_functions.append(fid)
         return lid
@@ -563,13 +568,7 @@ class ProfileBuilder:
             put_bytes_field(self._function_buf, _P_FUNCTION, msg)
         lid = len(self._locations) + 1
         self._locations[frame] = lid
-        line = bytearray()
-        put_varint_field(line, _LINE_FUNCTION_ID, fid)
-        put_varint_field(line, _LINE_LINE, frame.line)
-        msg = bytearray()
-        put_varint_field(msg, _LOC_ID, lid)
-        put_bytes_field(msg, _LOC_LINE, line)
-        put_bytes_field(self._location_buf, _P_LOCATION, msg)
+        _put_location_field(self._location_buf, lid, fid, frame.line)
         return lid
 
     def _label_bytes(self, pair: tuple[str, str]) -> bytes:
@@ -787,8 +786,6 @@ class ProfileBuilder:
                     if not n & 255 and clock() > deadline:
                         yield
                         deadline = clock() + budget
-            self._used_stacks.clear()
-            self._used_locations.clear()
             self.reset()
         return profile
 
