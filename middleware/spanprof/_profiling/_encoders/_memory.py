@@ -11,12 +11,17 @@ pyroscope-io's memory samples lack.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Generator, Mapping
+from collections.abc import Iterator, Mapping
 
 from .._window import MemoryWindow, Window
-from ._pprof import ProfileBuilder, SharedLocations, next_slice
-from ._window import MAX_PROFILE_SAMPLES, STEP_BUDGET_NS, series_labels
+from ._pprof import ProfileBuilder, SharedLocations
+from ._window import (
+    MAX_PROFILE_SAMPLES,
+    STEP_BUDGET_NS,
+    EncoderEntry,
+    SlicedEncoder,
+    series_labels,
+)
 
 __all__ = ["MEMORY_PERIOD_TYPE", "MEMORY_SAMPLE_TYPES", "MemoryEncoder", "memory_series_labels"]
 
@@ -38,7 +43,7 @@ def memory_series_labels(application_name: str, tags: Mapping[str, str]) -> list
     return [("__delta__", "false"), *labels]
 
 
-class MemoryEncoder:
+class MemoryEncoder(SlicedEncoder):
     """Turns a ``MemoryWindow`` into raw pprof profiles, one bounded slice of work per ``step()``.
 
     Arguments:
@@ -60,49 +65,17 @@ class MemoryEncoder:
         max_samples: int = MAX_PROFILE_SAMPLES,
         locations: SharedLocations | None = None,
     ) -> None:
-        self.window = window
-        self._locations = None if locations is None else locations.claim()
         self.period = period
-        self.budget_ns = budget_ns
-        self.max_samples = max_samples
-        self.profiles: list[bytes] = []
-        if isinstance(window, MemoryWindow):
-            self._alloc_objects = window.alloc_objects
-            self._inuse = window.inuse
-            keys = list(window.values.keys() | window.inuse.keys())
-        else:
-            self._alloc_objects, self._inuse, keys = {}, {}, []
-        self._keys = iter(keys)
-        self._builder = self._new_builder()
-        self._building: Generator[None, None, bytes] | None = None
-        self._exhausted = False
+        super().__init__(window, budget_ns=budget_ns, max_samples=max_samples, locations=locations)
 
-    def _new_builder(self) -> ProfileBuilder:
-        return ProfileBuilder(
-            MEMORY_SAMPLE_TYPES, MEMORY_PERIOD_TYPE, self.period, locations=self._locations
-        )
-
-    @property
-    def done(self) -> bool:
-        """Whether every sample is in ``profiles``."""
-        return self._exhausted and self._building is None
-
-    def step(self) -> bool:
-        """Do one slice of work; return ``True`` when the window is fully encoded."""
-        if self._building is not None:
-            profile = next_slice(self._building)
-            if profile is not None:
-                self.profiles.append(profile)
-                self._building = None
-                self._builder = self._new_builder()
-            return self.done
+    def _entries(self) -> Iterator[EncoderEntry]:
         window = self.window
-        builder = self._builder
+        if not isinstance(window, MemoryWindow):
+            return
         alloc_space = window.values
-        alloc_objects = self._alloc_objects
-        inuse = self._inuse
-        deadline = time.perf_counter_ns() + self.budget_ns
-        for key in self._keys:
+        alloc_objects = window.alloc_objects
+        inuse = window.inuse
+        for key in list(alloc_space.keys() | inuse.keys()):
             inuse_objects, inuse_space = inuse.get(key, (0, 0))
             values = (
                 alloc_objects.get(key, 0),
@@ -111,22 +84,9 @@ class MemoryEncoder:
                 inuse_space,
             )
             if any(values):
-                builder.add(window.stack(key[0]), values, key[1].items_tuple)
-            if len(builder) >= self.max_samples:
-                self._build()
-                return False
-            if time.perf_counter_ns() > deadline:
-                return False
-        self._exhausted = True
-        if len(builder):
-            self._build()
-        return self.done
+                yield window.stack(key[0]), values, key[1].items_tuple
 
-    def _build(self) -> None:
-        window = self.window
-        self._building = self._builder.build_in_slices(
-            time_nanos=window.start_ns,
-            duration_nanos=max(0, window.end_ns - window.start_ns),
-            budget_ns=self.budget_ns,
-            release=True,
+    def _new_builder(self) -> ProfileBuilder:
+        return ProfileBuilder(
+            MEMORY_SAMPLE_TYPES, MEMORY_PERIOD_TYPE, self.period, locations=self._locations
         )

@@ -12,13 +12,20 @@ from __future__ import annotations
 import platform
 import sys
 import time
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterator, Mapping, Sequence
 
 from ..._version import __version__
-from .._window import Window
+from .._window import Frame, Window
 from ._pprof import ProfileBuilder, SharedLocations, next_slice
 
-__all__ = ["MAX_PROFILE_SAMPLES", "STEP_BUDGET_NS", "WindowEncoder", "series_labels"]
+__all__ = [
+    "MAX_PROFILE_SAMPLES",
+    "STEP_BUDGET_NS",
+    "EncoderEntry",
+    "SlicedEncoder",
+    "WindowEncoder",
+    "series_labels",
+]
 
 # Each slice of encoding work stops after this much time.
 STEP_BUDGET_NS = 500_000
@@ -40,8 +47,83 @@ def series_labels(application_name: str, tags: Mapping[str, str]) -> list[tuple[
     return labels
 
 
-class WindowEncoder:
-    """Turns a ``Window`` into raw pprof profiles, one bounded slice of work per ``step()``.
+#: What a ``SlicedEncoder`` adds: ``(stack, values, labels)``.
+EncoderEntry = tuple[Sequence[Frame], int | tuple[int, ...], Sequence[tuple[str, str]]]
+
+
+class SlicedEncoder:
+    """A window into raw pprof profiles, one bounded slice of work per ``step()``.
+
+    ``ProfileBuilder.add`` is called for each of ``_entries()`` (``(stack, values, labels)``)
+    until ``budget_ns`` has passed or a profile holds ``max_samples``; a full profile is then
+    written in slices (``build_in_slices``) before the next is begun. Subclasses say what a
+    window's entries are and make the builder (``_new_builder``).
+    """
+
+    def __init__(
+        self,
+        window: Window,
+        *,
+        budget_ns: int,
+        max_samples: int,
+        locations: SharedLocations | None,
+    ) -> None:
+        self.window = window
+        self.budget_ns = budget_ns
+        self.max_samples = max_samples
+        self.profiles: list[bytes] = []
+        self._locations = None if locations is None else locations.claim()
+        self._pending = self._entries()
+        self._builder = self._new_builder()
+        self._building: Generator[None, None, bytes] | None = None
+        self._exhausted = False
+
+    def _entries(self) -> Iterator[EncoderEntry]:
+        raise NotImplementedError
+
+    def _new_builder(self) -> ProfileBuilder:
+        raise NotImplementedError
+
+    @property
+    def done(self) -> bool:
+        """Whether every sample is in ``profiles``."""
+        return self._exhausted and self._building is None
+
+    def step(self) -> bool:
+        """Do one slice of work; return ``True`` when the window is fully encoded."""
+        if self._building is not None:
+            profile = next_slice(self._building)
+            if profile is not None:
+                self.profiles.append(profile)
+                self._building = None
+                self._builder = self._new_builder()
+            return self.done
+        builder = self._builder
+        deadline = time.perf_counter_ns() + self.budget_ns
+        for stack, values, labels in self._pending:
+            builder.add(stack, values, labels)
+            if len(builder) >= self.max_samples:
+                self._build()
+                return False
+            if time.perf_counter_ns() > deadline:
+                return False
+        self._exhausted = True
+        if len(builder):
+            self._build()
+        return self.done
+
+    def _build(self) -> None:
+        window = self.window
+        self._building = self._builder.build_in_slices(
+            time_nanos=window.start_ns,
+            duration_nanos=max(0, window.end_ns - window.start_ns),
+            budget_ns=self.budget_ns,
+            release=True,
+        )
+
+
+class WindowEncoder(SlicedEncoder):
+    """Turns a ``Window`` into raw pprof CPU profiles, one bounded slice of work per ``step()``.
 
     Arguments:
         window: the samples to encode (no longer written by the sampler).
@@ -61,16 +143,13 @@ class WindowEncoder:
         max_samples: int = MAX_PROFILE_SAMPLES,
         locations: SharedLocations | None = None,
     ) -> None:
-        self.window = window
-        self._locations = None if locations is None else locations.claim()
         self.period_ns = period_ns
-        self.budget_ns = budget_ns
-        self.max_samples = max_samples
-        self.profiles: list[bytes] = []
-        self._items = iter(list(window.values.items()))
-        self._builder = self._new_builder()
-        self._building: Generator[None, None, bytes] | None = None
-        self._exhausted = False
+        super().__init__(window, budget_ns=budget_ns, max_samples=max_samples, locations=locations)
+
+    def _entries(self) -> Iterator[EncoderEntry]:
+        window = self.window
+        for (sid, labels), value in list(window.values.items()):
+            yield window.stack(sid), value, labels.items_tuple
 
     def _new_builder(self) -> ProfileBuilder:
         return ProfileBuilder(
@@ -78,42 +157,4 @@ class WindowEncoder:
             ("cpu", "nanoseconds"),
             self.period_ns,
             locations=self._locations,
-        )
-
-    @property
-    def done(self) -> bool:
-        """Whether every sample is in ``profiles``."""
-        return self._exhausted and self._building is None
-
-    def step(self) -> bool:
-        """Do one slice of work; return ``True`` when the window is fully encoded."""
-        if self._building is not None:
-            profile = next_slice(self._building)
-            if profile is not None:
-                self.profiles.append(profile)
-                self._building = None
-                self._builder = self._new_builder()
-            return self.done
-        window = self.window
-        builder = self._builder
-        deadline = time.perf_counter_ns() + self.budget_ns
-        for (sid, labels), value in self._items:
-            builder.add(window.stack(sid), value, labels.items_tuple)
-            if len(builder) >= self.max_samples:
-                self._build()
-                return False
-            if time.perf_counter_ns() > deadline:
-                return False
-        self._exhausted = True
-        if len(builder):
-            self._build()
-        return self.done
-
-    def _build(self) -> None:
-        window = self.window
-        self._building = self._builder.build_in_slices(
-            time_nanos=window.start_ns,
-            duration_nanos=max(0, window.end_ns - window.start_ns),
-            budget_ns=self.budget_ns,
-            release=True,
         )
