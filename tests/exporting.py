@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import pytest
 
 from spanprof._labels._labelset import LabelSet
 from spanprof._profiling._window import StackTables, Window
 
-__all__ = ["CountingWindows", "log_messages", "one_sample_window", "wait_until"]
+__all__ = [
+    "CountingWindows",
+    "log_messages",
+    "one_sample_window",
+    "timed_steps",
+    "wait_until",
+]
 
 
 def _leaf() -> None:
@@ -52,3 +60,30 @@ def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
 def log_messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
     """The messages logged so far that contain ``text``."""
     return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+class _Stepped(Protocol):
+    @property
+    def done(self) -> bool: ...
+
+    def step(self) -> object: ...
+
+
+def timed_steps(encoder: _Stepped) -> tuple[int, int]:
+    """Run ``encoder`` to the end: (its longest step's CPU ns, its number of steps).
+
+    A collection of the whole test process's heap can start in any step: that pause is sized
+    by the heap, not by the encoding work measured, so the collector is off meanwhile.
+    """
+    longest = 0
+    steps = 0
+    gc.disable()
+    try:
+        while not encoder.done:
+            started = time.thread_time_ns()
+            encoder.step()
+            longest = max(longest, time.thread_time_ns() - started)
+            steps += 1
+    finally:
+        gc.enable()
+    return longest, steps

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import http.client
 import itertools
 import os
@@ -42,6 +41,7 @@ from spanprof._profiling._window import StackTables, Window
 from .conftest import AGENT_ENV, MEMORY_SAMPLED, require, run_on
 from .e2e.markers import MARKERS, marker_index
 from .e2e.server import ROOT, free_port
+from .exporting import timed_steps
 from .recording_server import PostedRequest, RecordingServer
 
 LINUX = sys.platform.startswith("linux")
@@ -594,17 +594,7 @@ def test_window_encoding_steps_stay_short_and_lose_nothing(
         if max_samples is None
         else WindowEncoder(window, period_ns=10_000_000, max_samples=max_samples)
     )
-    longest = 0
-    # A collection of the whole test process's heap can start in any step: that pause is
-    # sized by the heap, not by the encoding work measured here.
-    gc.disable()
-    try:
-        while not encoder.done:
-            started = time.thread_time_ns()
-            encoder.step()
-            longest = max(longest, time.thread_time_ns() - started)
-    finally:
-        gc.enable()
+    longest, _ = timed_steps(encoder)
     assert longest < 2_000_000
     assert len(encoder.profiles) == profiles
     decoded = [decode_profile(raw) for raw in encoder.profiles]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import gzip
 import itertools
 import socket
@@ -23,7 +22,6 @@ from spanprof._labels._labelset import EMPTY, LabelSet
 from spanprof._profiling._choose import profiler_from_env
 from spanprof._profiling._encoders._otlp import (
     OtlpEncoder,
-    OtlpRequestEncoder,
     current_resource_attributes,
     encode_resource,
     encode_scope,
@@ -40,6 +38,7 @@ from spanprof._profiling._window import StackTables, Window
 from spanprof._version import __version__
 
 from .e2e.server import free_port
+from .exporting import timed_steps
 from .otlp_profiles import (
     GrpcProfilesReceiver,
     OtlpProfilesReceiver,
@@ -191,22 +190,6 @@ def _deep_stacks(tables: StackTables, count: int) -> list[int]:
     ]
 
 
-def _timed_steps(encoder: OtlpRequestEncoder[Any]) -> tuple[int, int]:
-    """Run ``encoder`` to the end: (its longest step's CPU ns, its number of steps)."""
-    longest = 0
-    steps = 0
-    gc.disable()
-    try:
-        while not encoder.done:
-            started = time.thread_time_ns()
-            encoder.step()
-            longest = max(longest, time.thread_time_ns() - started)
-            steps += 1
-    finally:
-        gc.enable()
-    return longest, steps
-
-
 def test_encoding_steps_stay_short_and_lose_nothing() -> None:
     """4,000 distinct deep samples encode in steps of < 2 ms CPU, each sample intact."""
     tables = StackTables()
@@ -215,7 +198,7 @@ def test_encoding_steps_stay_short_and_lose_nothing() -> None:
         window.values[(sid, _labels(n))] = n + 1
     window.end_ns = window.start_ns + 10_000_000_000
     encoder = OtlpEncoder(window, resource=encode_resource(RESOURCE), scope=encode_scope())
-    longest, steps = _timed_steps(encoder)
+    longest, steps = timed_steps(encoder)
     assert longest < 2_000_000
     assert steps > 2
     request = ExportProfilesServiceRequest.FromString(encoder.request)

@@ -19,6 +19,7 @@ from spanprof._profiling._exporters._fanout import WindowFanout
 from spanprof._profiling._window import MemoryWindow, StackTables, Window
 
 from .conftest import MEMORY_VERSIONS
+from .exporting import timed_steps
 from .otlp_profiles import (
     MEMORY_PROFILE_TYPES,
     OtlpProfilesReceiver,
@@ -29,7 +30,7 @@ from .otlp_profiles import (
     resource_attributes,
 )
 from .test_memory_push import FREED, KEPT, _available, _push_memory, check_kept_and_freed
-from .test_otlp import RESOURCE, _deep_stacks, _exporter, _labels, _leaf, _root, _timed_steps
+from .test_otlp import RESOURCE, _deep_stacks, _exporter, _labels, _leaf, _root
 
 PERIOD = 524288
 
@@ -148,7 +149,7 @@ def test_memory_encoding_steps_stay_short_and_lose_nothing() -> None:
     encoder = OtlpMemoryEncoder(
         window, period=PERIOD, resource=encode_resource(RESOURCE), scope=encode_scope()
     )
-    longest, steps = _timed_steps(encoder)
+    longest, steps = timed_steps(encoder)
     assert longest < 2_000_000
     assert steps > 2
     request = ExportProfilesServiceRequest.FromString(encoder.request)

@@ -7,12 +7,10 @@ decoder and with ``go tool pprof``) as the same samples as a profile with privat
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +34,7 @@ from spanprof._profiling._encoders._window import WindowEncoder
 from spanprof._profiling._window import Frame, MemoryWindow, StackTables, Window
 
 from .conftest import require
+from .exporting import timed_steps
 
 A = (Frame("leaf_a", "a.py", 3), Frame("mid", "m.py", 10), Frame("root", "r.py", 1))
 B = (Frame("leaf_b", "b.py", 7), Frame("mid", "m.py", 10), Frame("root", "r.py", 1))
@@ -293,16 +292,7 @@ def test_a_big_memory_window_is_written_in_short_slices(
         if max_samples is None
         else MemoryEncoder(window, period=524288, locations=shared, max_samples=max_samples)
     )
-    longest = steps = 0
-    gc.disable()  # a collection of the test process's heap is not the encoder's work
-    try:
-        while not encoder.done:
-            started = time.thread_time_ns()
-            encoder.step()
-            longest = max(longest, time.thread_time_ns() - started)
-            steps += 1
-    finally:
-        gc.enable()
+    longest, steps = timed_steps(encoder)
     assert longest < 2_000_000
     assert steps > 1
     assert len(encoder.profiles) == profiles
