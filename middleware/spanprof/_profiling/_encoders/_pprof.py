@@ -518,6 +518,7 @@ class ProfileBuilder:
         # kept as the sample's packed field, written as is by build() and hashed once (bytes
         # cache their hash) as the merge key.
         self._stack_locations: dict[int, tuple[Sequence[Frame], bytes]] = {}
+        # A label pair's encoded sample.label field (tag and length included).
         self._label_cache: dict[tuple[str, str], bytes] = {}
         # A label tuple's encoded sample.label fields, by the tuple's id (the tuple kept, as
         # for stacks): a LabelSet hands out one cached tuple, and a span's labels come once per
@@ -571,13 +572,14 @@ class ProfileBuilder:
         _put_location_field(self._location_buf, lid, fid, frame.line)
         return lid
 
-    def _label_bytes(self, pair: tuple[str, str]) -> bytes:
-        cached = self._label_cache.get(pair)
-        if cached is None:
-            msg = bytearray()
-            put_varint_field(msg, _L_KEY, self._intern(pair[0]))
-            put_varint_field(msg, _L_STR, self._intern(pair[1]))
-            cached = self._label_cache[pair] = bytes(msg)
+    def _label_field(self, pair: tuple[str, str]) -> bytes:
+        """The sample.label field of ``pair``, its strings interned (cached per pair)."""
+        msg = bytearray()
+        put_varint_field(msg, _L_KEY, self._intern(pair[0]))
+        put_varint_field(msg, _L_STR, self._intern(pair[1]))
+        field = bytearray()
+        put_bytes_field(field, _S_LABEL, msg)
+        cached = self._label_cache[pair] = bytes(field)
         return cached
 
     def _num_label_bytes(self, label: tuple[str, int, str]) -> bytes:
@@ -659,12 +661,15 @@ class ProfileBuilder:
         self, labels: Sequence[tuple[str, str]], num_labels: Sequence[tuple[str, int, str]]
     ) -> bytes:
         """The sample.label fields of ``labels`` then ``num_labels``, in order."""
-        field = bytearray()
-        for pair in labels:
-            put_bytes_field(field, _S_LABEL, self._label_bytes(pair))
+        # A span's labels are new pairs (span and trace ids) among pairs every span shares:
+        # each pair's whole field is cached, and a sample's fields are joined.
+        cache = self._label_cache
+        fields = [cache.get(pair) or self._label_field(pair) for pair in labels]
         for num in num_labels:
+            field = bytearray()
             put_bytes_field(field, _S_LABEL, self._num_label_bytes(num))
-        return bytes(field)
+            fields.append(bytes(field))
+        return b"".join(fields)
 
     def _add_unmerged(self, sample: Sample) -> None:
         locations = self._stack_field(sample.stack)
