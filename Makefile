@@ -6,9 +6,11 @@ PIP_FLAGS ?= --quiet --disable-pip-version-check
 
 .PHONY: test lint typecheck unit test-matrix route-matrix bench demo clean
 
-# The C extensions (spanprof._labels._cproxy, spanprof._profiling._samplers._alloc) are built by the editable install: rebuild when one changes.
+# The C extensions (spanprof._labels._cproxy, spanprof._profiling._samplers._alloc,
+# spanprof._profiling._encoders._wire) are built by the editable install: rebuild when one changes.
 $(BIN)/.installed: pyproject.toml middleware/spanprof/_labels/_cproxy.c \
-		middleware/spanprof/_profiling/_samplers/_alloc.c
+		middleware/spanprof/_profiling/_samplers/_alloc.c \
+		middleware/spanprof/_profiling/_encoders/_wire.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(PIP_FLAGS) --upgrade pip
 	$(BIN)/pip install $(PIP_FLAGS) -e '.[dev,demo]'

@@ -8,13 +8,14 @@ of conflicts in user applications).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 __all__ = [
     "WIRE_FIXED32",
     "WIRE_FIXED64",
     "WIRE_LEN",
     "WIRE_VARINT",
+    "PYTHON_WRITERS",
     "FieldValue",
     "ProtoDecodeError",
     "as_bytes",
@@ -57,10 +58,12 @@ def encode_varint(value: int) -> bytes:
     return bytes(buf)
 
 
-def put_varint(buf: bytearray, value: int) -> None:
+def _py_put_varint(buf: bytearray, value: int, /) -> None:
     """Append ``value`` to ``buf`` as a varint (negative values as 10-byte two's complement)."""
     if value < 0:
         value &= _MASK64
+    elif value > _MASK64:
+        raise OverflowError(f"varint: {value} does not fit in 64 bits")
     while value > 0x7F:
         buf.append((value & 0x7F) | 0x80)
         value >>= 7
@@ -180,7 +183,7 @@ def put_tag(buf: bytearray, field: int, wire: int) -> None:
 # 128: most of what a profile holds) themselves, without a put_varint call each.
 
 
-def put_varint_field(buf: bytearray, field: int, value: int) -> None:
+def _py_put_varint_field(buf: bytearray, field: int, value: int, /) -> None:
     """Append a varint field, omitting it when zero (proto3 default)."""
     if value:
         key = (field << 3) | WIRE_VARINT
@@ -188,11 +191,11 @@ def put_varint_field(buf: bytearray, field: int, value: int) -> None:
             buf.append(key)
             buf.append(value)
             return
-        put_varint(buf, key)
-        put_varint(buf, value)
+        _py_put_varint(buf, key)
+        _py_put_varint(buf, value)
 
 
-def put_bytes_field(buf: bytearray, field: int, data: bytes | bytearray) -> None:
+def _py_put_bytes_field(buf: bytearray, field: int, data: bytes | bytearray, /) -> None:
     """Append a length-delimited field (always written, even when empty)."""
     key = (field << 3) | WIRE_LEN
     size = len(data)
@@ -200,8 +203,8 @@ def put_bytes_field(buf: bytearray, field: int, data: bytes | bytearray) -> None
         buf.append(key)
         buf.append(size)
     else:
-        put_varint(buf, key)
-        put_varint(buf, size)
+        _py_put_varint(buf, key)
+        _py_put_varint(buf, size)
     buf += data
 
 
@@ -212,18 +215,44 @@ def put_fixed64_field(buf: bytearray, field: int, value: int) -> None:
         buf += (value & _MASK64).to_bytes(8, "little")
 
 
-def put_string_field(buf: bytearray, field: int, value: str) -> None:
+def _py_put_string_field(buf: bytearray, field: int, value: str, /) -> None:
     """Append a UTF-8 string field (always written, even when empty)."""
-    put_bytes_field(buf, field, value.encode("utf-8"))
+    _py_put_bytes_field(buf, field, value.encode("utf-8"))
 
 
-def put_packed_varints_field(buf: bytearray, field: int, values: Iterable[int]) -> None:
+def _py_put_packed_varints_field(buf: bytearray, field: int, values: Iterable[int], /) -> None:
     """Append a packed repeated varint field; omitted entirely when ``values`` is empty."""
     payload = bytearray()
     for v in values:
         if 0 <= v < 0x80:
             payload.append(v)
         else:
-            put_varint(payload, v)
+            _py_put_varint(payload, v)
     if payload:
-        put_bytes_field(buf, field, payload)
+        _py_put_bytes_field(buf, field, payload)
+
+
+#: The writers in Python, by name: what the C module ``_wire`` replaces when it loads (the
+#: tests check that both write the same bytes).
+PYTHON_WRITERS: dict[str, Callable[..., None]] = {
+    "put_bytes_field": _py_put_bytes_field,
+    "put_packed_varints_field": _py_put_packed_varints_field,
+    "put_string_field": _py_put_string_field,
+    "put_varint": _py_put_varint,
+    "put_varint_field": _py_put_varint_field,
+}
+
+try:
+    from ._wire import (
+        put_bytes_field,
+        put_packed_varints_field,
+        put_string_field,
+        put_varint,
+        put_varint_field,
+    )
+except ImportError:  # built without a compiler, or the module cannot load here
+    put_bytes_field = _py_put_bytes_field
+    put_packed_varints_field = _py_put_packed_varints_field
+    put_string_field = _py_put_string_field
+    put_varint = _py_put_varint
+    put_varint_field = _py_put_varint_field
