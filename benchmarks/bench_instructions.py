@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spanprof._local._receiver import PushReceiver
+from spanprof._profiling._encoders._window import STEP_BUDGET_NS
 
 from ._callgrind_http import (
     HTTP_TICK_HZ,
@@ -463,7 +464,11 @@ def _http_report(section: Section, http: dict[str, _HttpPart]) -> None:
         f"profiler's clocks are stretched to match: ticks at {HTTP_TICK_HZ} Hz of callgrind's "
         "CPU time (about the ticks per response of 100 Hz natively: the *ticks* column), "
         f"uploads every {HTTP_UPLOAD_INTERVAL} s, allocation drains every "
-        f"{0.25 * SLOWDOWN:g} s (`benchmarks/apps/slowed_app.py`).",
+        f"{0.25 * SLOWDOWN:g} s, and each slice of the encoders' and drains' work may run "
+        f"{STEP_BUDGET_NS / 1e6 * SLOWDOWN:g} ms instead of {STEP_BUDGET_NS / 1e6:g} ms "
+        "(`benchmarks/apps/slowed_app.py`): "
+        "unstretched, a memory window's encoding step held one sample where it holds about 30 "
+        "natively, and its fixed cost per step was counted 30 times over.",
         markdown_table(
             [
                 "configuration",
