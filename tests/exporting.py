@@ -13,12 +13,17 @@ from spanprof._labels._labelset import LabelSet
 from spanprof._profiling._window import StackTables, Window
 
 __all__ = [
+    "GZIP_FASTEST",
     "CountingWindows",
     "log_messages",
     "one_sample_window",
     "timed_steps",
     "wait_until",
 ]
+
+
+#: The XFL byte of a gzip header (RFC 1952) written at the fastest level (1): level 6 writes 0.
+GZIP_FASTEST = 4
 
 
 def _leaf() -> None:

@@ -61,6 +61,8 @@ class Received:
     headers: dict[str, str]
     raw_size: int
     request: ExportProfilesServiceRequest
+    #: The body as it came (compressed, when it was).
+    body: bytes
 
 
 def _any(value: AnyValue) -> object:
@@ -337,7 +339,7 @@ class OtlpProfilesReceiver:
             return Response(400)
         with self._lock:
             self.errors.extend(problems)
-            self.received.append(Received(headers, len(raw), request))
+            self.received.append(Received(headers, len(raw), request, body))
         return scripted or Response()
 
     def requests(self) -> list[ExportProfilesServiceRequest]:

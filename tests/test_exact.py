@@ -41,7 +41,7 @@ from spanprof._profiling._window import StackTables, Window
 from .conftest import AGENT_ENV, MEMORY_SAMPLED, require, run_on
 from .e2e.markers import MARKERS, marker_index
 from .e2e.server import ROOT, free_port
-from .exporting import timed_steps
+from .exporting import GZIP_FASTEST, timed_steps
 from .recording_server import PostedRequest, RecordingServer
 
 LINUX = sys.platform.startswith("linux")
@@ -475,6 +475,7 @@ def test_pusher_sends_what_pyroscope_io_sends() -> None:
     headers = front.requests[0].headers
     assert headers["content-type"] == "application/proto"
     assert headers["content-encoding"] == "gzip"
+    assert front.requests[0].body[8] == GZIP_FASTEST  # the gzip header's XFL: level 1
     assert headers["authorization"] == "Basic dTpw"
     assert headers["x-scope-orgid"] == "team-a"
     assert headers["user-agent"].startswith("spanprof/")

@@ -38,7 +38,7 @@ from spanprof._profiling._window import StackTables, Window
 from spanprof._version import __version__
 
 from .e2e.server import free_port
-from .exporting import timed_steps
+from .exporting import GZIP_FASTEST, timed_steps
 from .otlp_profiles import (
     GrpcProfilesReceiver,
     OtlpProfilesReceiver,
@@ -478,6 +478,7 @@ def test_exporter_posts_one_request_per_window_to_the_receiver() -> None:
     (one,) = received
     assert one.headers["content-type"] == "application/x-protobuf"
     assert one.headers["content-encoding"] == "gzip"
+    assert one.body[8] == GZIP_FASTEST  # the gzip header's XFL: compressed at level 1
     assert one.headers["authorization"] == "Bearer t"
     assert one.headers["user-agent"] == f"spanprof/{__version__}"
     assert resource_attributes(one.request)["service.name"] == "checkout"

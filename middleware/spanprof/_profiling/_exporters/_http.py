@@ -12,6 +12,7 @@ Both exporters' threads post through ``Poster``, and nothing an endpoint does ca
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import io
 import socket
@@ -20,10 +21,20 @@ import time
 from dataclasses import dataclass
 from typing import Any, cast
 
-__all__ = ["Answer", "Poster"]
+__all__ = ["GZIP_LEVEL", "Answer", "Poster", "gzipped"]
 
 # Socket waits are cut in slices this long, so that a deadline moved closer (by cut()) is seen.
 _SLICE = 0.25
+
+#: The gzip level of the bodies the exporters post: the fastest, as Go's runtime/pprof writes its
+#: profiles. On a server's real windows level 6 took 5 times as long (memory) and twice as long
+#: (CPU) as level 1, for bodies 4-5% smaller.
+GZIP_LEVEL = 1
+
+
+def gzipped(body: bytes) -> bytes:
+    """``body`` gzip-compressed at ``GZIP_LEVEL``; zlib releases the GIL while it deflates."""
+    return gzip.compress(body, compresslevel=GZIP_LEVEL, mtime=0)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import email.utils
-import gzip
 import os
 import ssl
 import time
@@ -51,7 +50,7 @@ from .._encoders._otlp import (
 )
 from .._encoders._protowire import ProtoDecodeError, as_bytes, as_int, as_str, iter_fields
 from .._window import Window
-from ._http import Poster
+from ._http import Poster, gzipped
 from ._interval import IntervalExporter, Outcome, Wording
 from ._otlp_grpc import GrpcTransport, grpc_available
 
@@ -445,8 +444,7 @@ class OtlpExporter(IntervalExporter):
             self._steps.run(encoder.step)
         self.raw_bytes += len(encoder.request)
         if self._gzip:
-            # zlib releases the GIL while it deflates.
-            return gzip.compress(encoder.request, compresslevel=6, mtime=0)
+            return gzipped(encoder.request)
         return encoder.request
 
     def _encode(self, window: Window) -> bytes:

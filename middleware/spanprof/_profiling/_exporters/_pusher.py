@@ -22,7 +22,6 @@ window is taken as usual, so the sampler's window never grows past one interval.
 from __future__ import annotations
 
 import base64
-import gzip
 from collections.abc import Callable, Iterable
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -34,7 +33,7 @@ from .._encoders._pprof import SharedLocations
 from .._encoders._push import PUSH_CONTENT_TYPE, PUSH_PATH, encode_push_request
 from .._encoders._window import WindowEncoder
 from .._window import Window
-from ._http import Poster
+from ._http import Poster, gzipped
 from ._interval import IntervalExporter, Outcome, Wording
 
 __all__ = ["Pusher", "StepEncoder"]
@@ -176,8 +175,7 @@ class Pusher(IntervalExporter):
         self._steps.run(
             lambda: request.append(encode_push_request([(self.labels, encoder.profiles)]))
         )
-        # zlib releases the GIL while it deflates.
-        return gzip.compress(request[0], compresslevel=6, mtime=0)
+        return gzipped(request[0])
 
     def _rejected(self, detail: str) -> None:
         if self.last_status not in _AUTH_STATUSES:
