@@ -2,9 +2,9 @@
 
 In-process: the same synthetic windows encoded the way each exporter does it, step by step
 (``OtlpEncoder`` for ``OtlpExporter``; ``WindowEncoder`` + ``encode_push_request`` for
-``Pusher``), then gzip'd at level 6 as both send them. *CPU* is the encoding thread's CPU time
-over all steps, *longest step* the most CPU one step took while holding the GIL (gzip runs
-outside them: zlib releases the GIL).
+``Pusher``), then gzip'd as both send them (``gzipped``, at ``GZIP_LEVEL``). *CPU* is the
+encoding thread's CPU time over all steps, *longest step* the most CPU one step took while
+holding the GIL (gzip runs outside them: zlib releases the GIL).
 
 End to end: ``tests/e2e/exact_app.py`` under uvicorn with ``SPANPROF_PROFILES_EXPORTER=
 pyroscope,otlp``, so both exporters ship the very same windows; their own counters give bytes
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import gzip
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from spanprof._local._receiver import PushReceiver
 from spanprof._profiling._encoders._otlp import OtlpEncoder, encode_resource, encode_scope
 from spanprof._profiling._encoders._push import encode_push_request
 from spanprof._profiling._encoders._window import WindowEncoder, series_labels
+from spanprof._profiling._exporters._http import gzipped
 from spanprof._profiling._exporters._steps import StepTimer
 from spanprof._profiling._window import Frame, StackTables, Window
 
@@ -108,7 +108,7 @@ def _otlp(window: Window) -> tuple[StepTimer, int, int]:
         window, resource=encode_resource(RESOURCE), scope=encode_scope(), attributes=()
     )
     timer = _timed_steps(encoder.step, lambda: encoder.done)
-    body = gzip.compress(encoder.request, compresslevel=6, mtime=0)
+    body = gzipped(encoder.request)
     return timer, len(encoder.request), len(body)
 
 
@@ -120,7 +120,7 @@ def _push(window: Window) -> tuple[StepTimer, int, int]:
     timer.run(
         lambda: raw.append(encode_push_request([(series_labels("bench", {}), encoder.profiles)]))
     )
-    body = gzip.compress(raw[0], compresslevel=6, mtime=0)
+    body = gzipped(raw[0])
     return timer, len(raw[0]), len(body)
 
 
