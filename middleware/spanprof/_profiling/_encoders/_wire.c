@@ -61,17 +61,10 @@ as_uint64(PyObject *obj, uint64_t *out, int *zero)
         *zero = value == 0;
         return 0;
     }
-    if (overflow > 0) {
-        big = PyLong_AsUnsignedLongLong(obj);
-        if (big == (unsigned long long)-1 && PyErr_Occurred()) {
-            return -1;
-        }
-    }
-    else {
-        big = PyLong_AsUnsignedLongLongMask(obj);
-        if (big == (unsigned long long)-1 && PyErr_Occurred()) {
-            return -1;
-        }
+    /* Past 2**63 - 1 the int must fit in 64 bits; below -2**63 it is masked, as Python does. */
+    big = overflow > 0 ? PyLong_AsUnsignedLongLong(obj) : PyLong_AsUnsignedLongLongMask(obj);
+    if (big == (unsigned long long)-1 && PyErr_Occurred()) {
+        return -1;
     }
     *out = (uint64_t)big;
     *zero = 0;
