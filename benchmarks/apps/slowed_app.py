@@ -34,13 +34,17 @@ from spanprof._profiling._samplers._memory import MemorySampler
 
 from .._callgrind_http import SLOWDOWN
 
-_defaults = MemorySampler.__init__.__kwdefaults__
-assert _defaults is not None
-_defaults["drain_interval"] = _defaults["drain_interval"] * SLOWDOWN
-for _encoder in (MemoryEncoder, WindowEncoder):
-    _kwdefaults = _encoder.__init__.__kwdefaults__
-    assert _kwdefaults is not None
-    _kwdefaults["budget_ns"] = _kwdefaults["budget_ns"] * SLOWDOWN
+
+def _stretch_default(cls: type, name: str) -> None:
+    """Multiply the default of ``cls(..., name=...)`` by ``SLOWDOWN``."""
+    defaults = cls.__init__.__kwdefaults__  # type: ignore[misc]
+    assert defaults is not None
+    defaults[name] = defaults[name] * SLOWDOWN
+
+
+_stretch_default(MemorySampler, "drain_interval")
+_stretch_default(MemoryEncoder, "budget_ns")
+_stretch_default(WindowEncoder, "budget_ns")
 _memory._SLICE_NS = _memory._SLICE_NS * SLOWDOWN
 
 from tests.e2e.exact_app import app as _exact_app  # noqa: E402  (after the defaults it must see)
