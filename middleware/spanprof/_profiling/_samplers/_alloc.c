@@ -1389,14 +1389,23 @@ alloc_stop(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
     return PyBool_FromLong(restored);
 }
 
-/* One record as (id, size, tracked, labels, codes, lastis, truncated, key); takes over the
- * record's references (its labels, and its code objects unless `known` has its key: those stay
- * in the buffer). `key` is the stack as bytes, each frame's code address and instruction
- * offset: the drain's cache key, hashed once and compared with memcmp (a tuple of ints would be
- * hashed and compared item by item). Most samples repeat a stack the caller has interned
- * already: for those, building two tuples of the stack's frames would be all waste. */
+/* What the drain makes of one record before handing it over. */
+typedef struct {
+    double objects;           /* the blocks it stands for (its group's, for a group's first) */
+    double nbytes;            /* the bytes it stands for (likewise) */
+    uint8_t gone;             /* its block was freed before this drain: never in use */
+    uint8_t merged;           /* counted in an earlier record of its group: not handed over */
+} drained_t;
+
+/* One record as (id, size, tracked, labels, codes, lastis, truncated, key, objects, nbytes);
+ * takes over the record's references (its labels, and its code objects unless `known` has its
+ * key: those stay in the buffer). `key` is the stack as bytes, each frame's code address and
+ * instruction offset: the drain's cache key, hashed once and compared with memcmp (a tuple of
+ * ints would be hashed and compared item by item). Most samples repeat a stack the caller has
+ * interned already: for those, building two tuples of the stack's frames would be all waste.
+ * `tracked` says the block is still in use (tracked, and not freed before this drain). */
 static PyObject *
-record_tuple(buffer_t *buf, record_t *rec, PyObject *known)
+record_tuple(buffer_t *buf, record_t *rec, const drained_t *drained, PyObject *known)
 {
     PyObject *item, *codes, *lastis, *value, *key;
     uint16_t i;
@@ -1404,7 +1413,7 @@ record_tuple(buffer_t *buf, record_t *rec, PyObject *known)
     char *bytes;
     int is_known = 0;
 
-    item = PyTuple_New(8);
+    item = PyTuple_New(10);
     if (item == NULL) {
         return NULL;
     }
@@ -1417,8 +1426,16 @@ record_tuple(buffer_t *buf, record_t *rec, PyObject *known)
         goto fail;
     }
     PyTuple_SET_ITEM(item, 1, value);
-    PyTuple_SET_ITEM(item, 2, PyBool_FromLong(rec->tracked));
+    PyTuple_SET_ITEM(item, 2, PyBool_FromLong(rec->tracked && !drained->gone));
     PyTuple_SET_ITEM(item, 6, PyBool_FromLong(rec->truncated));
+    if ((value = PyFloat_FromDouble(drained->objects)) == NULL) {
+        goto fail;
+    }
+    PyTuple_SET_ITEM(item, 8, value);
+    if ((value = PyFloat_FromDouble(drained->nbytes)) == NULL) {
+        goto fail;
+    }
+    PyTuple_SET_ITEM(item, 9, value);
     if ((key = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)rec->nframes * 16)) == NULL) {
         goto fail;
     }
@@ -1478,25 +1495,142 @@ fail:
     return NULL;
 }
 
+/* The record of `buf` with this id, or -1: ids grow with the records' order (each recorded
+ * sample takes the next one), so a binary search finds it. */
+static int64_t
+record_with_id(const buffer_t *buf, uint64_t id)
+{
+    uint32_t low = 0, high = buf->nrecords;
+    if (high == 0 || id < buf->records[0].id || id > buf->records[high - 1].id) {
+        return -1;
+    }
+    while (low < high) {
+        uint32_t mid = low + (high - low) / 2;
+        uint64_t at = buf->records[mid].id;
+        if (at == id) {
+            return (int64_t)mid;
+        }
+        if (at < id) {
+            low = mid + 1;
+        }
+        else {
+            high = mid;
+        }
+    }
+    return -1;
+}
+
+static uint64_t
+record_hash(const buffer_t *buf, const record_t *rec)
+{
+    const raw_frame_t *frames = &buf->frames[rec->first_frame];
+    uint64_t h = (uint64_t)(uintptr_t)rec->labels ^ rec->nframes ^ ((uint64_t)rec->truncated << 17);
+    h *= 0x9E3779B97F4A7C15ULL;
+    for (uint16_t i = 0; i < rec->nframes; i++) {
+        h = (h ^ (uint64_t)(uintptr_t)frames[i].code) * 0x100000001B3ULL;
+        h = (h ^ (uint64_t)(uint32_t)frames[i].lasti) * 0x100000001B3ULL;
+    }
+    return h ^ (h >> 29);
+}
+
+/* Whether two records have the same labels object and the same stack. */
+static int
+same_group(const buffer_t *buf, const record_t *a, const record_t *b)
+{
+    const raw_frame_t *fa = &buf->frames[a->first_frame], *fb = &buf->frames[b->first_frame];
+    if (a->labels != b->labels || a->nframes != b->nframes || a->truncated != b->truncated) {
+        return 0;
+    }
+    for (uint16_t i = 0; i < a->nframes; i++) {
+        if (fa[i].code != fb[i].code || fa[i].lasti != fb[i].lasti) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Fill `drained` for the records of `buf`: each one's estimate (the unbiased inverse of its
+ * sampling probability), whether its block was freed before this drain (those frees are taken
+ * out of the buffer's list: the caller never tracked them), and which records merge into an
+ * earlier one. Blocks freed before the drain saw them (asyncio's 256 KiB read buffer, shrunk
+ * as soon as it is read, is one on about every other response) are never in use at a window:
+ * those of one stack and one labels object become one record, their estimates summed, so the
+ * caller turns one tuple into an estimate where it turned dozens. Returns -1 (MemoryError set)
+ * when its scratch table cannot be allocated. */
+static int
+group_records(buffer_t *buf, drained_t *drained)
+{
+    uint32_t n = buf->nrecords, kept = 0, size = 1, mask;
+    uint32_t *slots;
+    for (uint32_t i = 0; i < buf->nfreed; i++) {
+        int64_t at = record_with_id(buf, buf->freed[i]);
+        if (at >= 0) {
+            drained[at].gone = 1;
+        }
+        else {
+            buf->freed[kept++] = buf->freed[i];
+        }
+    }
+    buf->nfreed = kept;
+    while (size < 2 * n) {
+        size <<= 1;
+    }
+    mask = size - 1;
+    slots = PyMem_RawMalloc(sizeof(uint32_t) * size);
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(slots, 0xFF, sizeof(uint32_t) * size);  /* UINT32_MAX: an empty slot */
+    for (uint32_t i = 0; i < n; i++) {
+        record_t *rec = &buf->records[i];
+        /* A block of no bytes is never sampled (it takes nothing off the countdown). */
+        double objects = rec->size > 0 ? -1.0 / expm1(-(double)rec->size / mean_bytes) : 0.0;
+        drained[i].objects = objects;
+        drained[i].nbytes = (double)rec->size * objects;
+        if (rec->tracked && !drained[i].gone) {
+            continue;  /* in use: handed over alone, with its id, for its free to find it */
+        }
+        for (uint32_t slot = (uint32_t)record_hash(buf, rec) & mask;; slot = (slot + 1) & mask) {
+            uint32_t first = slots[slot];
+            if (first == UINT32_MAX) {
+                slots[slot] = i;
+                break;
+            }
+            if (same_group(buf, &buf->records[first], rec)) {
+                drained[first].objects += drained[i].objects;
+                drained[first].nbytes += drained[i].nbytes;
+                drained[i].merged = 1;
+                break;
+            }
+        }
+    }
+    PyMem_RawFree(slots);
+    return 0;
+}
+
 PyDoc_STRVAR(drain_doc,
-"drain(known=None, /) -> tuple[list[tuple[int, int, bool, object, tuple[CodeType, ...] | None, tuple[int, ...] | None, bool, bytes]], list[int]]\n"
+"drain(known=None, /) -> tuple[list[tuple[int, int, bool, object, tuple[CodeType, ...] | None, tuple[int, ...] | None, bool, bytes, float, float]], list[int]]\n"
 "--\n"
 "\n"
 "The samples taken and the sampled blocks freed since the last call.\n"
 "\n"
-"Each sample is (id, size, tracked, labels, codes, lastis, truncated, key): codes and lastis\n"
-"are its stack, leaf first; key the same stack as bytes (code addresses and offsets). With\n"
-"``known``, a dict keyed by such keys, a sample whose key is in it has None for codes and\n"
-"lastis: the caller has that stack already. Frees\n"
-"list the ids of tracked samples (reported by an earlier or this same drain) whose block was\n"
-"freed. The calling thread's allocations are not sampled while\n"
-"this runs.");
+"Each sample is (id, size, tracked, labels, codes, lastis, truncated, key, objects, nbytes):\n"
+"codes and lastis are its stack, leaf first; key the same stack as bytes (code addresses and\n"
+"offsets); objects and nbytes what it stands for (scaled by the inverse of its sampling\n"
+"probability); tracked whether its block is still in use. Samples whose blocks are no longer\n"
+"in use, of one stack and one labels object, come as one, their objects and bytes summed (its\n"
+"id and size are its first block's). With ``known``, a dict keyed by stack keys, a sample\n"
+"whose key is in it has None for codes and lastis: the caller has that stack already. Frees\n"
+"list the ids of tracked samples (reported by an earlier drain) whose block was freed. The\n"
+"calling thread's allocations are not sampled while this runs.");
 
 static PyObject *
 alloc_drain(PyObject *Py_UNUSED(module), PyObject *args)
 {
     buffer_t *retired;
     PyObject *samples = NULL, *freed = NULL, *result, *known = NULL;
+    drained_t *drained = NULL;
     uint32_t i;
     int was_in_module;
 
@@ -1520,9 +1654,23 @@ alloc_drain(PyObject *Py_UNUSED(module), PyObject *args)
     if (samples == NULL || freed == NULL) {
         goto fail;
     }
+    if (retired->nrecords > 0) {
+        drained = PyMem_RawCalloc(retired->nrecords, sizeof(drained_t));
+        if (drained == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        if (group_records(retired, drained) < 0) {
+            goto fail;
+        }
+    }
     for (i = 0; i < retired->nrecords; i++) {
-        PyObject *item = record_tuple(retired, &retired->records[i], known);
+        PyObject *item;
         int status;
+        if (drained[i].merged) {
+            continue;  /* counted in its group's first record; buffer_clear releases it */
+        }
+        item = record_tuple(retired, &retired->records[i], &drained[i], known);
         if (item == NULL) {
             goto fail;
         }
@@ -1545,6 +1693,7 @@ alloc_drain(PyObject *Py_UNUSED(module), PyObject *args)
         }
     }
     buffer_clear(retired);
+    PyMem_RawFree(drained);
     in_module = was_in_module;
     result = PyTuple_Pack(2, samples, freed);
     Py_DECREF(samples);
@@ -1555,6 +1704,7 @@ fail:
     n_dropped += retired->nrecords;
     n_lost_frees += retired->nfreed;
     buffer_clear(retired);
+    PyMem_RawFree(drained);
     in_module = was_in_module;
     Py_XDECREF(samples);
     Py_XDECREF(freed);

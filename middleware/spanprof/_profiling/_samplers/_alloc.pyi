@@ -4,11 +4,22 @@ from contextvars import ContextVar
 from types import CodeType, FrameType
 from typing import Any
 
-#: One sample: (id, size, tracked, labels, codes, lastis, truncated, key); the stack is leaf
-#: first, and ``key`` is the same stack as bytes (each frame's code address and offset). codes
-#: and lastis are None when ``drain``'s ``known`` has the key.
+#: One sample: (id, size, tracked, labels, codes, lastis, truncated, key, objects, bytes); the
+#: stack is leaf first, and ``key`` is the same stack as bytes (each frame's code address and
+#: offset). codes and lastis are None when ``drain``'s ``known`` has the key. objects and bytes
+#: are what the sample stands for; tracked says its block is still in use. Samples of blocks no
+#: longer in use come one per stack and labels object, their estimates summed.
 RawSample = tuple[
-    int, int, bool, object, tuple[CodeType, ...] | None, tuple[int, ...] | None, bool, bytes
+    int,
+    int,
+    bool,
+    object,
+    tuple[CodeType, ...] | None,
+    tuple[int, ...] | None,
+    bool,
+    bytes,
+    float,
+    float,
 ]
 
 def unsupported() -> str | None:
@@ -36,8 +47,9 @@ def stop() -> bool:
     """Put the previous allocators back; False when another hook sits over these."""
 
 def drain(known: dict[bytes, Any] | None = None, /) -> tuple[list[RawSample], list[int]]:
-    """The samples taken, and the ids of tracked samples freed, since the last call; a sample
-    whose stack key is in ``known`` comes without its frames (codes and lastis None)."""
+    """The samples taken, and the ids of tracked samples (drained earlier) freed, since the
+    last call; a sample whose stack key is in ``known`` comes without its frames (codes and
+    lastis None)."""
 
 def ignore_thread(ignore: bool, /) -> bool:
     """Leave the calling thread's allocations unsampled (or not); returns the previous setting."""

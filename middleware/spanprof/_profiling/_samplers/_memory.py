@@ -10,15 +10,16 @@ is known too.
 
 The hook only fills preallocated buffers. ``MemorySampler`` turns them into Python objects
 outside it, on its own thread every ``drain_interval`` seconds (and whenever a window is taken):
-it interns stacks in ``StackTables``, scales every sample by the inverse of its sampling
-probability (the unbiased estimate of what was allocated), and keeps the in-use estimate per
-``(stack, labels)`` up to date as sampled blocks are freed. ``take_window`` hands the exporter
-a ``MemoryWindow``: the interval's allocations and a snapshot of what is in use.
+``_alloc.drain`` scales every sample by the inverse of its sampling probability (the unbiased
+estimate of what was allocated) and hands over the samples of blocks already freed one per
+stack and label set; the sampler interns stacks in ``StackTables``, adds the estimates up per
+``(stack, labels)``, and keeps the in-use estimate up to date as sampled blocks are freed.
+``take_window`` hands the exporter a ``MemoryWindow``: the interval's allocations and a snapshot
+of what is in use.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sysconfig
 import threading
@@ -56,7 +57,6 @@ _Key = tuple[int, LabelSet]
 
 # The longest stretch a drain holds the GIL for before letting other threads run.
 _SLICE_NS = 500_000
-_NOTHING_FREED: frozenset[int] = frozenset()
 
 # The sampler whose hooks are installed in this process, for the fork handler; and whether
 # that handler is registered (once, by the first start()).
@@ -309,16 +309,14 @@ class MemorySampler:
         except MemoryError:
             self.drain_errors += 1
             return
-        # Tracked blocks freed before this drain saw them (asyncio's 256 KiB read buffer,
-        # shrunk as soon as it is read, is one on about every other response): never in use
-        # at a window, so they skip the in-use estimate instead of entering it and leaving.
-        gone = set(freed) if freed else _NOTHING_FREED
-        mean = float(self.sample_bytes)
+        # Blocks freed before this drain saw them (asyncio's 256 KiB read buffer, shrunk as soon
+        # as it is read, is one on about every other response) come untracked, those of one
+        # stack and label set as one sample: never in use at a window, they skip the in-use
+        # estimate, and the C side has summed their estimates.
         tables = self._tables
         allocated = self._allocated
         live = self._live
         inuse = self._inuse
-        expm1 = math.expm1
         deadline = started + _SLICE_NS
         for first in range(0, len(samples), 32):
             if first and time.perf_counter_ns() > deadline:
@@ -326,11 +324,18 @@ class MemorySampler:
                 # threads get the GIL in between (this lock keeps other drains out).
                 time.sleep(0)
                 deadline = time.perf_counter_ns() + _SLICE_NS
-            for sample_id, size, tracked, labels, codes, lastis, _, stack_key in samples[
-                first : first + 32
-            ]:
-                if size <= 0:
-                    continue
+            for (
+                sample_id,
+                _,
+                tracked,
+                labels,
+                codes,
+                lastis,
+                _,
+                stack_key,
+                objects,
+                nbytes,
+            ) in samples[first : first + 32]:
                 if labels.__class__ is not LabelSet:  # isinstance() goes through ABCMeta
                     labels = labels if isinstance(labels, LabelSet) else EMPTY
                 sid = stack_ids.get(stack_key)
@@ -340,15 +345,13 @@ class MemorySampler:
                     sid = stack_ids[stack_key] = _intern(tables, codes, lastis)
                 key = (sid, labels)
                 # Sampled with probability p: each sample stands for 1/p blocks like it.
-                objects = -1.0 / expm1(-size / mean)
-                nbytes = size * objects
                 counts = allocated.get(key)
                 if counts is None:
                     allocated[key] = [objects, nbytes]
                 else:
                     counts[0] += objects
                     counts[1] += nbytes
-                if tracked and sample_id not in gone:
+                if tracked:
                     live[sample_id] = (key, objects, nbytes)
                     total = inuse.get(key)
                     if total is None:
