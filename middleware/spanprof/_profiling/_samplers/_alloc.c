@@ -474,6 +474,15 @@ span_of(PyObject *labels)
 
 /* A sampled block of `size` bytes under `labels`: credit its span with what it stands for.
  * No allocation, no Python call; the new key's reference is released outside the hooks. */
+/* The blocks a sample of `size` bytes stands for: sampled with probability
+ * p = 1 - exp(-size / mean), it stands for 1/p blocks like it. Pure arithmetic (the hooks call
+ * it); 0 for a block of no bytes, which is never sampled (it takes nothing off the countdown). */
+static inline double
+sampled_blocks(size_t size)
+{
+    return size > 0 ? -1.0 / expm1(-(double)size / mean_bytes) : 0.0;
+}
+
 static void
 span_credit(PyObject *labels, size_t size)
 {
@@ -485,8 +494,7 @@ span_credit(PyObject *labels, size_t size)
         return;
     }
     hash = PyObject_Hash(span);  /* exact str: cached, or computed without allocating */
-    /* Sampled with probability 1 - exp(-size / mean): it stands for 1/p blocks like it. */
-    bytes = (double)size / -expm1(-(double)size / mean_bytes);
+    bytes = (double)size * sampled_blocks(size);
     slot = span_find(span, hash);
     if (slot->span == NULL) {
         if (nspans >= SPAN_MAX) {
@@ -1584,10 +1592,8 @@ group_records(buffer_t *buf, drained_t *drained)
     memset(slots, 0xFF, sizeof(uint32_t) * size);  /* UINT32_MAX: an empty slot */
     for (uint32_t i = 0; i < n; i++) {
         record_t *rec = &buf->records[i];
-        /* A block of no bytes is never sampled (it takes nothing off the countdown). */
-        double objects = rec->size > 0 ? -1.0 / expm1(-(double)rec->size / mean_bytes) : 0.0;
-        drained[i].objects = objects;
-        drained[i].nbytes = (double)rec->size * objects;
+        drained[i].objects = sampled_blocks(rec->size);
+        drained[i].nbytes = (double)rec->size * drained[i].objects;
         if (rec->tracked && !drained[i].gone) {
             continue;  /* in use: handed over alone, with its id, for its free to find it */
         }

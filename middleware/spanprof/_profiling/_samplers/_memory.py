@@ -344,7 +344,6 @@ class MemorySampler:
                         continue
                     sid = stack_ids[stack_key] = _intern(tables, codes, lastis)
                 key = (sid, labels)
-                # Sampled with probability p: each sample stands for 1/p blocks like it.
                 counts = allocated.get(key)
                 if counts is None:
                     allocated[key] = [objects, nbytes]
