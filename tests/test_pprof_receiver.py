@@ -8,6 +8,7 @@ import http.client
 import json
 import logging
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -318,6 +319,20 @@ def test_receiver_ignores_legacy_ingest_and_unknown_paths(push_receiver: PushRec
     assert _post(push_receiver.url + "/nope", b"", {})[0] == 404
     assert push_receiver.pushes == 0
     assert push_receiver.errors == []
+
+
+def test_a_client_that_hangs_up_with_a_reset_is_not_an_error(push_receiver: PushReceiver) -> None:
+    """A client closing its keep-alive connection with a reset (its unread reply discarded, as
+    a client that reads the status only does) is ordinary: the receiver records nothing."""
+    conn = socket.create_connection(("127.0.0.1", push_receiver.port), timeout=5)
+    try:
+        conn.sendall(b"POST /nope HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n")
+        assert conn.recv(12).startswith(b"HTTP/1.1 404")
+        # Linger 0: close sends RST, which the handler's wait for the next request reads.
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    finally:
+        conn.close()
+    assert not push_receiver.wait_for(lambda r: bool(r.errors), timeout=1.0), push_receiver.errors
 
 
 def test_receiver_on_push_callback_errors_are_recorded() -> None:

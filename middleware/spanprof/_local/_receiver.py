@@ -14,6 +14,7 @@ import contextlib
 import json
 import re
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -141,6 +142,10 @@ class _Server(ThreadingHTTPServer):
                 conn.shutdown(socket.SHUT_RDWR)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hangs up mid-connection (a reset while its keep-alive connection waits
+        # for the next request, a pipe broken under a reply) is ordinary client behaviour.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
         # The default prints a traceback to stderr; record it instead.
         self.receiver._record_error(f"internal error: {traceback.format_exc(limit=5)}")
 
