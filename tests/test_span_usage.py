@@ -20,7 +20,7 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from spanprof import ProfilingMiddleware, RecorderBackend, WSGIProfilingMiddleware
-from spanprof._labels._backend import SpanUsage
+from spanprof._labels._backend import SpanUsage, span_usage
 from spanprof._labels._labelset import LABELS
 
 from .conftest import histogram_points
@@ -208,3 +208,14 @@ def test_requests_without_samples_record_no_cpu_time(
     assert (
         sum(p.count for p in histogram_points(metric_reader, "http.server.request.duration")) == 1
     )
+
+
+@pytest.mark.parametrize(
+    ("cpu_ns", "alloc_bytes"), [(0, None), (0, 0), (7, None), (0, 512), (7, 512)]
+)
+def test_span_usage_makes_what_the_named_tuple_makes(cpu_ns: int, alloc_bytes: int | None) -> None:
+    """The request path's cheap constructor gives the same value, of the same type."""
+    usage = span_usage(cpu_ns, alloc_bytes)
+    assert type(usage) is SpanUsage
+    assert usage == SpanUsage(cpu_ns, alloc_bytes)
+    assert (usage.cpu_ns, usage.alloc_bytes) == (cpu_ns, alloc_bytes)

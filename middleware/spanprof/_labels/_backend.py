@@ -12,6 +12,7 @@ __all__ = [
     "ProfilerBackend",
     "ReadsMainThreadContext",
     "SpanUsage",
+    "span_usage",
 ]
 
 
@@ -59,6 +60,26 @@ class SpanUsage(NamedTuple):
 
     cpu_ns: int
     alloc_bytes: int | None = None
+
+
+# The usage of a request none of whose samples landed (most short requests), with and without
+# allocation sampling: one object each, shared.
+_UNUSED = {None: SpanUsage(0, None), 0: SpanUsage(0, 0)}
+_tuple_new = tuple.__new__
+
+
+def span_usage(cpu_ns: int, alloc_bytes: int | None) -> SpanUsage:
+    """``SpanUsage(cpu_ns, alloc_bytes)``, made the cheap way: the request path makes one.
+
+    A named tuple's own call runs its ``__new__``, a Python function behind ``type.__call__``:
+    about 3,000 instructions a request on CPython 3.11, 0.3% of a trivial one.
+    """
+    if not cpu_ns and not alloc_bytes:
+        unused = _UNUSED.get(alloc_bytes)
+        if unused is not None:
+            return unused
+    usage: SpanUsage = _tuple_new(SpanUsage, (cpu_ns, alloc_bytes))
+    return usage
 
 
 @runtime_checkable

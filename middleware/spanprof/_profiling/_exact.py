@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .._config import parse_bool, parse_int
 from .._env import env_value
-from .._labels._backend import SpanUsage
+from .._labels._backend import SpanUsage, span_usage
 from .._labels._labelset import LabelSet
 from .._logging import logger
 from ._encoders._memory import MemoryEncoder, memory_series_labels
@@ -651,7 +651,7 @@ class ExactBackend(WithPyroscopeSettings):
             memory = self._memory_sampler
             if memory is not None:
                 alloc_bytes = memory.span_alloc_bytes(span_id)
-        return SpanUsage(sampler.span_cpu_ns(span_id), alloc_bytes)
+        return span_usage(sampler.span_cpu_ns(span_id), alloc_bytes)
 
     def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
         """The calling thread switched labels (thread-pool job start or end, mostly)."""
