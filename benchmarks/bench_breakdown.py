@@ -52,6 +52,8 @@ VARIANTS = (
 )
 
 
+# The allocation samplers' random seed in drive_part.
+MEMORY_SEED = 20261205
 # Requests served before the counted ones, in drive_part.
 PART_WARMUP = 2000
 
@@ -184,6 +186,9 @@ def drive_part(part_name: str, count: int) -> None:
     defaults = MemorySampler.__init__.__kwdefaults__
     assert defaults is not None
     defaults["drain_interval"] = 3600.0
+    # Which blocks are sampled is random: seeded, a count samples the same blocks each run
+    # (the meet phase's stacks moved a count by thousands of instructions a request).
+    defaults["seed"] = MEMORY_SEED
     base_name, cold, _ = part_name.partition("_cold")
     # The receiver in a process of its own: what it decodes is not the profiler's work.
     with receiver_process() as url:
