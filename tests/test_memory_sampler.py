@@ -862,9 +862,12 @@ def spin_labelled(seconds: float) -> None:
         n += 1
 
 
-def under_cpu_sampler(labels: LabelSet, work: Callable[[], None]) -> tuple[MemoryWindow, int]:
+def under_cpu_sampler(
+    labels: LabelSet, work: Callable[[], None], min_ticks: int
+) -> tuple[MemoryWindow, int]:
     """``work`` run in ``labels`` under the CPU sampler at 250 Hz, with an allocation sample
-    every 64 bytes or so: the memory window, and the ticks that ran."""
+    every 64 bytes or so, again until ``min_ticks`` ticks ran (at most 20 times: a busy machine
+    folds CPU-timer expiries into fewer signals): the memory window, and the ticks that ran."""
     from spanprof._profiling._samplers._signal import Sampler
 
     with sampling(sample_bytes=64, max_samples=1_000_000) as memory:
@@ -873,7 +876,10 @@ def under_cpu_sampler(labels: LabelSet, work: Callable[[], None]) -> tuple[Memor
         try:
             token = LABELS.set(labels)
             try:
-                work()
+                for _ in range(20):
+                    work()
+                    if cpu.ticks >= min_ticks:
+                        break
             finally:
                 LABELS.reset(token)
         finally:
@@ -897,7 +903,7 @@ def test_the_cpu_samplers_own_allocations_are_nobodys() -> None:
     """The SIGPROF handler runs in the interrupted request's context: what it allocates (its
     stack walk, its window) must not be sampled as that request's memory."""
     labels = LabelSet({"span_id": "c" * 16})
-    window, ticks = under_cpu_sampler(labels, lambda: spin_labelled(0.3))
+    window, ticks = under_cpu_sampler(labels, lambda: spin_labelled(0.3), 10)
     assert ticks >= 10
     assert handler_stacks(window, labels) == []
 
@@ -929,7 +935,7 @@ def test_a_collection_at_the_handlers_edges_is_not_the_requests_memory() -> None
     # A collection falls due at every tracked allocation, the handler's own included.
     gc.set_threshold(1)
     try:
-        window, ticks = under_cpu_sampler(labels, lambda: make_cycles(0.3))
+        window, ticks = under_cpu_sampler(labels, lambda: make_cycles(0.3), 20)
     finally:
         gc.set_threshold(*threshold)
     assert ticks >= 20
