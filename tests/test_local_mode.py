@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -1089,3 +1090,24 @@ def test_the_page_names_profiles_after_otel_service_name_before_the_module() -> 
     assert service_name(args, {}) == "shop.main"
     named = _parser().parse_args(["dev", "shop.main:app", "--service-name", "cart"])
     assert service_name(named, {"OTEL_SERVICE_NAME": "shop"}) == "cart"
+
+
+def test_a_client_hanging_up_with_a_reset_prints_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A browser tab closed mid-connection resets it: ordinary, not a traceback on the
+    developer's terminal."""
+    ui = _ui(SampleStore()).start()
+    try:
+        conn = socket.create_connection(("127.0.0.1", ui.port), timeout=5)
+        try:
+            conn.sendall(f"GET /api/status HTTP/1.1\r\nHost: 127.0.0.1:{ui.port}\r\n\r\n".encode())
+            assert conn.recv(12).startswith(b"HTTP/1.1 200")
+            # Linger 0: close sends RST, which the handler's wait for the next request reads.
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        finally:
+            conn.close()
+        time.sleep(1.0)  # the handler thread reads the reset meanwhile
+    finally:
+        ui.stop()
+    assert capsys.readouterr().err == ""

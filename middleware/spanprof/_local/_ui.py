@@ -32,6 +32,7 @@ import ipaddress
 import json
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -129,6 +130,13 @@ class _Server(ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A tab closed mid-connection (a reset while the keep-alive connection waits, a pipe
+        # broken under a reply) is ordinary; anything else keeps the default's traceback.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
