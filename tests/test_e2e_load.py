@@ -86,10 +86,13 @@ async def _load(port: int, total: int) -> tuple[list[Outcome], list[dict[str, An
 def _serve_and_load(loop: str, spanprof: bool, tmp_path: Path) -> tuple[list[Outcome], Any, str]:
     port = free_port()
     log = tmp_path / f"uvicorn-{loop}-{int(spanprof)}.log"
+    # uvicorn closes a keep-alive connection idle for 5 s; on a loaded machine the client may
+    # reuse a pooled one that long idle just as it closes ("Server disconnected without
+    # sending a response"), spanprof or not: the run keeps them open instead.
+    argv = uvicorn_argv("tests.e2e.load_app:app", port, loop, "--ws", "websockets")
+    argv += ["--backlog", "2048", "--timeout-keep-alive", "600"]
     with serve(
-        uvicorn_argv(
-            "tests.e2e.load_app:app", port, loop, "--ws", "websockets", "--backlog", "2048"
-        ),
+        argv,
         health_url=f"http://127.0.0.1:{port}/_stats",
         env={"LOAD_SPANPROF": "1" if spanprof else "0"},
         log_path=log,
