@@ -472,8 +472,6 @@ span_of(PyObject *labels)
     return NULL;
 }
 
-/* A sampled block of `size` bytes under `labels`: credit its span with what it stands for.
- * No allocation, no Python call; the new key's reference is released outside the hooks. */
 /* The blocks a sample of `size` bytes stands for: sampled with probability
  * p = 1 - exp(-size / mean), it stands for 1/p blocks like it. Pure arithmetic (the hooks call
  * it); 0 for a block of no bytes, which is never sampled (it takes nothing off the countdown). */
@@ -483,6 +481,8 @@ sampled_blocks(size_t size)
     return size > 0 ? -1.0 / expm1(-(double)size / mean_bytes) : 0.0;
 }
 
+/* A sampled block of `size` bytes under `labels`: credit its span with what it stands for.
+ * No allocation, no Python call; the new key's reference is released outside the hooks. */
 static void
 span_credit(PyObject *labels, size_t size)
 {
