@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -21,11 +22,25 @@ from starlette.routing import Route
 
 from spanprof import ProfilingMiddleware, RecorderBackend, WSGIProfilingMiddleware
 from spanprof._labels._backend import SpanUsage, span_usage
+from spanprof._labels._engine import uninstall_label_engine
 from spanprof._labels._labelset import LABELS
+from spanprof._profiling._runtime import stop_started
 
 from .conftest import histogram_points
 
 CPU_NS = 1_234_567
+
+
+@pytest.fixture(autouse=True)
+def _stop_the_profilers_started() -> Iterator[None]:
+    """Each middleware here starts its backend and the label engine on its first request:
+    stopped after each test, so that the next test (or file) finds no engine installed (the
+    runtime may be gone by then: the engine outlives it)."""
+    try:
+        yield
+    finally:
+        stop_started()
+        uninstall_label_engine()
 
 
 class _EndingBackend(RecorderBackend):
