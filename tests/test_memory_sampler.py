@@ -783,10 +783,14 @@ def test_a_span_total_is_what_its_samples_stand_for_drained_or_not() -> None:
         assert sampler.stats()["drains"] == 0
         taken = sampler.span_alloc_bytes("a" * 16)
         again = sampler.span_alloc_bytes("a" * 16)
+        take = sampler.span_bytes_taker()
+        assert take is not None
+        nested_again = take("a" * 16)
         window = sampler.take_window()
         stats = sampler.stats()
-    assert taken is not None
+    assert type(taken) is int  # a whole count of bytes, as the span's attribute carries it
     assert again == 0
+    assert nested_again == 0
     p = -math.expm1(-BLOCK / (16 * 1024))
     truth = 2 * count * BLOCK
     assert taken == pytest.approx(truth, rel=bound(2 * count * p) + LIST_OVERHEAD), stats
@@ -800,6 +804,7 @@ def test_a_span_total_outside_a_running_sampler_is_none() -> None:
     _available()
     sampler = MemorySampler(seed=1)
     assert sampler.span_alloc_bytes("a" * 16) is None
+    assert sampler.span_bytes_taker() is None
 
 
 def test_span_totals_are_bounded_and_unended_spans_are_swept() -> None:

@@ -7,6 +7,7 @@ import tracemalloc
 
 from spanprof._labels._labelset import LabelSet
 from spanprof._profiling._hold import SloHold
+from spanprof._profiling._verdicts import MAX_GENERATIONS, Verdicts
 from spanprof._profiling._window import Frame, MemoryWindow, StackTables, Window
 
 BACKGROUND = LabelSet({"job": "cron"})
@@ -179,6 +180,77 @@ def test_the_verdicts_are_bounded_and_rotate() -> None:
     hold.take_window()
     # Forgotten after two uploads: the span is held as in flight again.
     assert hold.stats()["slo_held_spans"] == 1
+
+
+def test_two_holds_share_one_store_of_verdicts_each_on_its_own_clock() -> None:
+    """The CPU and the memory hold read one store: a verdict recorded once labels both, over
+    each hold's own last two uploads however their takes interleave."""
+    verdicts = Verdicts()
+    cpu_source, memory_source = _Source(), _Source()
+    cpu = SloHold(cpu_source.take, verdicts=verdicts)
+    memory = SloHold(memory_source.take, verdicts=verdicts)
+    cpu_sid, memory_sid = cpu_source.stack("handler"), memory_source.stack("handler")
+    early, late = _labels(1), _labels(2)
+    verdicts.record(early["span_id"], True)
+    # The CPU hold takes three times before the memory hold takes at all.
+    cpu_source.add(cpu_sid, early, 10)
+    assert _by_slo(cpu.take_window()) == {(early["span_id"], "breached"): 10}
+    cpu.take_window()
+    verdicts.record(late["span_id"], False)
+    cpu.take_window()
+    # The memory hold has not taken since the first verdict: it sees both.
+    memory_source.add(memory_sid, early, 100)
+    memory_source.add(memory_sid, late, 200)
+    assert _by_slo(memory.take_window()) == {
+        (early["span_id"], "breached"): 100,
+        (late["span_id"], "ok"): 200,
+    }
+    # The CPU hold still has the late verdict (its last upload's); the early one is gone for
+    # it, two uploads on: that span's samples are held as in flight again.
+    cpu_source.add(cpu_sid, late, 1)
+    cpu_source.add(cpu_sid, early, 1)
+    assert _by_slo(cpu.take_window()) == {(late["span_id"], "ok"): 1}
+    assert cpu.stats()["slo_held_spans"] == 1
+    # Written once: both holds count the same drops.
+    assert cpu.verdicts is memory.verdicts
+
+
+def test_a_hold_that_stops_taking_keeps_at_most_a_few_generations_alive() -> None:
+    """A reader that never takes again (its exporter stuck) bounds what the store keeps."""
+    verdicts = Verdicts()
+    source = _Source()
+    active = SloHold(source.take, verdicts=verdicts)
+    stuck = SloHold(_Source().take, verdicts=verdicts)
+    stuck.take_window()
+    for upload in range(50):
+        verdicts.record(f"{upload:016x}", True)
+        active.take_window()
+    assert len(verdicts._sealed) <= MAX_GENERATIONS
+    # The active hold still labels with what ended in its last upload.
+    sid = source.stack("handler")
+    source.add(sid, _labels(49), 3)
+    assert _by_slo(active.take_window()) == {(_labels(49)["span_id"], "breached"): 3}
+    # The stuck one lost the oldest verdicts but still finds the newest kept.
+    stuck_source = _Source()
+    stuck._take = stuck_source.take
+    stuck_sid = stuck_source.stack("handler")
+    stuck_source.add(stuck_sid, _labels(48), 5)
+    assert _by_slo(stuck.take_window()) == {(_labels(48)["span_id"], "breached"): 5}
+
+
+def test_a_verdict_recorded_during_a_take_is_found_at_the_next_one() -> None:
+    """A request that read the store's current generation just before a take sealed it writes
+    into the sealed one: the next take still finds that verdict."""
+    verdicts = Verdicts()
+    source = _Source()
+    hold = SloHold(source.take, verdicts=verdicts)
+    sid = source.stack("handler")
+    span = _labels(3)
+    late_reader = verdicts.current  # what a request read before the take
+    source.add(sid, span, 7)
+    assert _by_slo(hold.take_window()) == {}  # in flight: held
+    late_reader[span["span_id"]] = False  # its write lands in the sealed generation
+    assert _by_slo(hold.take_window()) == {(span["span_id"], "ok"): 7}
 
 
 def test_held_stacks_survive_a_swap_of_the_stack_tables() -> None:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from .._labels._labelset import LabelSet
+from ._verdicts import Lookup, Verdicts
 from ._window import Frame, MemoryWindow, StackTables, Window
 
 __all__ = ["BREACHED", "OK", "SLO_LABEL", "SloHold"]
@@ -60,8 +61,11 @@ class SloHold:
         max_held: distinct (stack, labels) pairs held at most; more pass through unlabelled.
         max_verdicts: verdicts kept per upload interval; more are forgotten (their samples go
             out unlabelled once they have waited ``max_windows`` uploads).
+        verdicts: where the request path records verdicts, shared with other holds (the CPU
+            and the memory one); one of its own by default, with ``max_verdicts``.
 
-    ``end_span`` is called by the request path (any thread); ``take_window`` by the exporters.
+    ``end_span`` (or ``verdicts.record``) is called by the request path (any thread);
+    ``take_window`` by the exporters.
     """
 
     def __init__(
@@ -71,18 +75,17 @@ class SloHold:
         max_windows: int = 2,
         max_held: int = 65536,
         max_verdicts: int = 262144,
+        verdicts: Verdicts | None = None,
     ) -> None:
         if max_windows < 1:
             raise ValueError(f"max_windows: expected at least 1, got {max_windows}")
         self._take = take_window
         self.max_windows = max_windows
         self.max_held = max_held
-        self.max_verdicts = max_verdicts
-        # span_id -> True (breached) / False (ok) / None (ended with no verdict: a websocket).
-        # Written by requests, rotated by the exporter: a span that ended before an upload has
-        # every sample in that upload's window or, booked late, in the next one.
-        self._recent: dict[str, bool | None] = {}
-        self._older: dict[str, bool | None] = {}
+        # A span that ended before an upload has every sample in that upload's window or,
+        # booked late, in the next one: this hold looks verdicts up over its last two takes.
+        self.verdicts = Verdicts(max_verdicts=max_verdicts) if verdicts is None else verdicts
+        self._reader = self.verdicts.reader()
         self._held: dict[str, _Held] = {}
         self._held_keys = 0
         self._lock = threading.Lock()
@@ -93,18 +96,13 @@ class SloHold:
         self.released_ns = 0
         self.expired_ns = 0
         self.overflow_ns = 0
-        self.verdicts_dropped = 0
         self.held_peak = 0
 
     # --- the request's side -----------------------------------------------------------------
 
     def end_span(self, span_id: str, breached: bool | None) -> None:
         """The span ``span_id`` ended: ``breached`` is its SLO verdict (``None``: none)."""
-        recent = self._recent
-        if len(recent) < self.max_verdicts:
-            recent[span_id] = breached
-        else:
-            self.verdicts_dropped += 1
+        self.verdicts.record(span_id, breached)
 
     # --- the exporter's side ------------------------------------------------------------------
 
@@ -124,20 +122,12 @@ class SloHold:
             else:
                 out = Window(window.start_ns, window.tables, end_ns=window.end_ns)
                 objects_in, objects = {}, {}
-            recent, older = self._recent, self._older
             # Rotate first: a verdict written from now on lands in what will be looked up next.
-            self._recent, self._older = {}, recent
+            verdict = self._reader.rotate()
             labelled: dict[tuple[LabelSet, bool], LabelSet] = {}
             values = out.values
             # Closing: this is the last upload, so nothing waits any more.
             max_age = 0 if self._closing else self.max_windows
-
-            def verdict(span_id: str) -> tuple[bool, bool | None]:
-                if span_id in recent:
-                    return True, recent[span_id]
-                if span_id in older:
-                    return True, older[span_id]
-                return False, None
 
             def put(key: _Key, weight: int, count: int, ended: bool, breached: bool | None) -> None:
                 sid, labels = key
@@ -211,7 +201,7 @@ class SloHold:
     def _decide(
         self,
         labels: LabelSet,
-        verdict: Callable[[str], tuple[bool, bool | None]],
+        verdict: Lookup,
         labelled: dict[tuple[LabelSet, bool], LabelSet],
         tables: StackTables,
         max_age: int,
@@ -248,7 +238,7 @@ class SloHold:
             # Spans whose samples went out unlabelled because the sampler's stack tables were
             # reset while some of them were held.
             "slo_swapped_spans": self.swapped_spans,
-            "slo_verdicts_dropped": self.verdicts_dropped,
+            "slo_verdicts_dropped": self.verdicts.dropped,
             "slo_held_spans": len(self._held),
             "slo_held_samples": self._held_keys,
             "slo_held_peak": self.held_peak,

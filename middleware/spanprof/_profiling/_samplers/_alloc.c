@@ -1718,11 +1718,11 @@ fail:
 }
 
 PyDoc_STRVAR(take_span_doc,
-"take_span(span_id) -> float\n"
+"take_span(span_id) -> int\n"
 "--\n"
 "\n"
-"The bytes the samples labelled ``span_id`` stand for since start() (drained or not), and\n"
-"forget them: 0.0 when none was sampled or per-span totals are off.");
+"The bytes the samples labelled ``span_id`` stand for since start() (drained or not), rounded,\n"
+"and forget them: 0 when none was sampled or per-span totals are off.");
 
 static PyObject *
 alloc_take_span(PyObject *Py_UNUSED(module), PyObject *span)
@@ -1735,7 +1735,7 @@ alloc_take_span(PyObject *Py_UNUSED(module), PyObject *span)
         return NULL;
     }
     if (spans == NULL || nspans == 0) {
-        return PyFloat_FromDouble(0.0);
+        return PyLong_FromLong(0);
     }
     hash = PyObject_Hash(span);
     if (hash == -1) {
@@ -1743,11 +1743,12 @@ alloc_take_span(PyObject *Py_UNUSED(module), PyObject *span)
     }
     slot = span_find(span, hash);
     if (slot->span == NULL) {
-        return PyFloat_FromDouble(0.0);
+        return PyLong_FromLong(0);
     }
     bytes = slot->bytes;
     span_remove(slot);
-    return PyFloat_FromDouble(bytes);
+    /* Rounded half to even, as Python's round(): the span's attribute is a whole count. */
+    return PyLong_FromDouble(nearbyint(bytes));
 }
 
 PyDoc_STRVAR(ignore_thread_doc,

@@ -40,8 +40,8 @@ def start(
 ) -> None:
     """Install the hooks and sample about one block per ``mean_bytes`` allocated."""
 
-def take_span(span_id: str, /) -> float:
-    """The bytes the samples labelled ``span_id`` stand for since start(); forgets them."""
+def take_span(span_id: str, /) -> int:
+    """The bytes the samples labelled ``span_id`` stand for since start(), rounded; forgets them."""
 
 def stop() -> bool:
     """Put the previous allocators back; False when another hook sits over these."""

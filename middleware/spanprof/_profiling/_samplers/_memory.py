@@ -25,6 +25,7 @@ import sysconfig
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from types import CodeType
 from typing import Any
 
@@ -254,7 +255,18 @@ class MemorySampler:
         """
         if _alloc is None or self._pid != current_pid():
             return None
-        return round(_alloc.take_span(span_id))
+        return _alloc.take_span(span_id)
+
+    def span_bytes_taker(self) -> Callable[[str], int] | None:
+        """``span_alloc_bytes`` without its checks, while this sampler runs in this process.
+
+        For the request path, which asks once per request: it checks that this sampler runs
+        here once, when it starts, and drops the function when it stops. ``None`` when this
+        sampler does not run in this process.
+        """
+        if _alloc is None or self._pid != current_pid():
+            return None
+        return _alloc.take_span
 
     # --- drains and windows ---------------------------------------------------------------------
 
