@@ -496,7 +496,7 @@ def _http_report(section: Section, http: dict[str, _HttpPart]) -> None:
         "response's, start-up, warm-up and shutdown cancelled out (each count run "
         f"{HTTP_REPEATS} times, medians taken: a run's count moves by a few thousand "
         "instructions a response with what its samples meet and when the profiler's threads "
-        "wake). Load and the process's layout, which move the CPU-time run by several "
+        "wake; the server's allocation sampler is seeded, as the in-process ones are). Load and the process's layout, which move the CPU-time run by several "
         f"percent, do not move this count. callgrind runs the server about {SLOWDOWN}x slower, "
         "so the "
         f"profiler's clocks are stretched to match: ticks at {HTTP_TICK_HZ} Hz of callgrind's "
