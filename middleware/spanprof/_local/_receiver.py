@@ -14,14 +14,13 @@ import contextlib
 import json
 import re
 import socket
-import sys
 import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
@@ -38,6 +37,7 @@ from .._profiling._encoders._push import (
     decode_push_request,
 )
 from .._profiling._window import Frame
+from ._loopback import LoopbackServer
 
 __all__ = ["PushReceiver", "ReceivedPush", "ReceivedSample"]
 
@@ -110,12 +110,7 @@ def _host_name(host: str) -> str:
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    # socketserver's default backlog of 5 drops SYNs when connections arrive in a burst, and
-    # each dropped one costs its client a second or more of retransmission.
-    request_queue_size = 1024
-
+class _Server(LoopbackServer):
     def __init__(self, address: tuple[str, int], receiver: PushReceiver) -> None:
         self.receiver = receiver
         self._connections: set[socket.socket] = set()
@@ -141,11 +136,7 @@ class _Server(ThreadingHTTPServer):
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client that hangs up mid-connection (a reset while its keep-alive connection waits
-        # for the next request, a pipe broken under a reply) is ordinary client behaviour.
-        if isinstance(sys.exc_info()[1], ConnectionError):
-            return
+    def report_error(self, request: Any, client_address: Any) -> None:
         # The default prints a traceback to stderr; record it instead.
         self.receiver._record_error(f"internal error: {traceback.format_exc(limit=5)}")
 

@@ -32,17 +32,17 @@ import ipaddress
 import json
 import re
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from .._logging import log_once
 from ._compare import SloComparison, compare_sides
+from ._loopback import LoopbackServer
 from ._memory import MEMORY_KINDS, MEMORY_UNITS
 from ._samples import SampleStore
 from ._slo import describe
@@ -118,11 +118,7 @@ def _host_name(host: str) -> str:
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    # socketserver's default backlog of 5 drops SYNs when connections arrive in a burst, and
-    # each dropped one costs its client a second or more of retransmission.
-    request_queue_size = 1024
+class _Server(LoopbackServer):
     ui: UiServer
 
     def __init__(self, address: tuple[str, int], ui: UiServer) -> None:
@@ -130,13 +126,6 @@ class _Server(ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A tab closed mid-connection (a reset while the keep-alive connection waits, a pipe
-        # broken under a reply) is ordinary; anything else keeps the default's traceback.
-        if isinstance(sys.exc_info()[1], ConnectionError):
-            return
-        super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
