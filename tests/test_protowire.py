@@ -185,3 +185,78 @@ def test_the_c_writers_refuse_what_they_cannot_write() -> None:
     with memoryview(buf), pytest.raises(BufferError):
         c["put_varint"](buf, 300)
     assert buf == b"held"
+
+
+# --- pprof's sample label fields, written whole in C ------------------------------------------
+
+
+def _label_sets(rng: random.Random, count: int) -> list[tuple[tuple[str, str], ...]]:
+    """Label tuples as a memory window's spans bring them: shared pairs, new ids, an empty
+    value (string index 0: its field is left out) and enough strings for two-byte indices."""
+    out = []
+    for span in range(count):
+        pairs = [
+            ("span_id", f"{rng.getrandbits(64):016x}"),
+            ("span_name", rng.choice(["GET /health", "POST /items/{item_id}", ""])),
+            ("trace_id", f"{span:032x}"),
+        ]
+        if rng.random() < 0.3:
+            pairs.append(("slo", rng.choice(["ok", "breached"])))
+        if rng.random() < 0.1:
+            pairs.append(("tenant", "é" * rng.randrange(1, 4)))
+        out.append(tuple(sorted(pairs)))
+    return out
+
+
+def test_the_c_label_fields_build_the_profile_the_python_ones_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Same bytes and same string table, over enough strings for multi-byte indices."""
+    from spanprof._profiling._encoders import _pprof
+    from spanprof._profiling._window import Frame
+
+    module = importlib.import_module("spanprof._profiling._encoders._wire")
+    c_writers()  # skips (fails under CI) when _wire is not built
+    assert _pprof._c_label_fields is module.pprof_label_fields
+    stack = tuple(Frame(f"f{i}", "app.py", i) for i in range(5))
+    labels = _label_sets(random.Random(11), 400)
+
+    def build() -> bytes:
+        builder = _pprof.ProfileBuilder()
+        for i, pairs in enumerate(labels):
+            builder.add(stack, i + 1, pairs)
+            builder.add(stack, 1, pairs)  # merged into the same sample
+        return builder.build()
+
+    with_c = build()
+    monkeypatch.setattr(_pprof, "_c_label_fields", None)
+    with_python = build()
+    assert with_c == with_python
+    profile = _pprof.decode_profile(with_c)
+    decoded = {tuple(sorted(sample.labels)): sample.value for sample in profile.samples}
+    assert decoded == {pairs: i + 2 for i, pairs in enumerate(labels)}
+
+
+def test_the_c_label_fields_refuse_what_they_cannot_write() -> None:
+    c_writers()
+    module = importlib.import_module("spanprof._profiling._encoders._wire")
+    write = module.pprof_label_fields
+    strings: dict[str, int] = {"": 0}
+    table = [""]
+    cache: dict[tuple[str, str], bytes] = {}
+    with pytest.raises(TypeError, match="pair"):
+        write([("a", "b", "c")], cache, strings, table)
+    with pytest.raises(TypeError, match="sequence"):
+        write(3, cache, strings, table)
+    with pytest.raises(TypeError, match="dict"):
+        write([], [], strings, table)
+    with pytest.raises(TypeError, match="4 arguments"):
+        write([], cache, strings)
+    with pytest.raises(TypeError, match="unhashable"):
+        write([("a", ["list"])], cache, strings, table)
+    # A failure leaves the string table whole: every string interned is in both.
+    assert len(strings) == len(table)
+    assert all(table[index] == text for text, index in strings.items())
+    cache[("k", "v")] = "not bytes"  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="bytes"):
+        write([("k", "v")], cache, strings, table)

@@ -8,8 +8,13 @@
  * both); _protowire uses them when this module loads and its own Python versions otherwise.
  *
  * Every writer takes a bytearray and appends in place: one PyByteArray_Resize (which grows the
- * allocation geometrically, as `+=` does) and one memcpy. Nothing here keeps state, calls back
- * into Python or releases the GIL, so the module is safe in every interpreter.
+ * allocation geometrically, as `+=` does) and one memcpy. Nothing here keeps state or releases
+ * the GIL, so the module is safe in every interpreter.
+ *
+ * One more function writes a pprof sample's label fields whole (pprof_label_fields): a span's
+ * labels are new strings, and in Python interning them and writing their fields cost about
+ * 10,000 instructions a pair. It works on the caller's dicts and list, whose lookups hash the
+ * label strings (a str subclass's __hash__ or __eq__ would run Python code there).
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -335,6 +340,160 @@ done:
     Py_RETURN_NONE;
 }
 
+/* --- pprof's Sample.label fields ---------------------------------------------------------- */
+
+/* pprof field numbers: Sample.label, and Label's key and str (string table indices). */
+#define PPROF_SAMPLE_LABEL 3
+#define PPROF_LABEL_KEY 1
+#define PPROF_LABEL_STR 2
+
+/* `s`'s index in the string table `strings` (str -> int) and `table` (their list), added at the
+ * end when new; -1 with an exception set. The two stay in step on failure. */
+static Py_ssize_t
+intern_string(PyObject *strings, PyObject *table, PyObject *s)
+{
+    PyObject *index = PyDict_GetItemWithError(strings, s);  /* borrowed */
+    Py_ssize_t value;
+
+    if (index != NULL) {
+        return PyLong_AsSsize_t(index);
+    }
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    value = PyList_GET_SIZE(table);
+    if ((index = PyLong_FromSsize_t(value)) == NULL) {
+        return -1;
+    }
+    if (PyDict_SetItem(strings, s, index) < 0) {
+        Py_DECREF(index);
+        return -1;
+    }
+    Py_DECREF(index);
+    if (PyList_Append(table, s) < 0) {
+#if PY_VERSION_HEX >= 0x030C0000
+        PyObject *exc = PyErr_GetRaisedException();
+#else
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+#endif
+        if (PyDict_DelItem(strings, s) < 0) {
+            PyErr_Clear();
+        }
+#if PY_VERSION_HEX >= 0x030C0000
+        PyErr_SetRaisedException(exc);
+#else
+        PyErr_Restore(type, exc, tb);
+#endif
+        return -1;
+    }
+    return value;
+}
+
+/* The Sample.label field of one (key, value) pair, its strings interned: a new reference. */
+static PyObject *
+make_label_field(PyObject *pair, PyObject *strings, PyObject *table)
+{
+    unsigned char msg[4 * MAX_VARINT], out[6 * MAX_VARINT];
+    Py_ssize_t key, value, n = 0, m;
+
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+        PyErr_Format(PyExc_TypeError, "expected a (key, value) pair, got %.100s",
+                     Py_TYPE(pair)->tp_name);
+        return NULL;
+    }
+    /* The key first, then the value: the order the Python writer interns them in. */
+    if ((key = intern_string(strings, table, PyTuple_GET_ITEM(pair, 0))) < 0) {
+        return NULL;
+    }
+    if ((value = intern_string(strings, table, PyTuple_GET_ITEM(pair, 1))) < 0) {
+        return NULL;
+    }
+    /* Index 0 is the empty string: a zero varint field is left out (proto3 default). */
+    if (key) {
+        n += encode_varint((PPROF_LABEL_KEY << 3) | WIRE_VARINT, msg + n);
+        n += encode_varint((uint64_t)key, msg + n);
+    }
+    if (value) {
+        n += encode_varint((PPROF_LABEL_STR << 3) | WIRE_VARINT, msg + n);
+        n += encode_varint((uint64_t)value, msg + n);
+    }
+    m = encode_varint((PPROF_SAMPLE_LABEL << 3) | WIRE_LEN, out);
+    m += encode_varint((uint64_t)n, out + m);
+    memcpy(out + m, msg, (size_t)n);
+    return PyBytes_FromStringAndSize((const char *)out, m + n);
+}
+
+PyDoc_STRVAR(pprof_label_fields_doc,
+"pprof_label_fields(labels, cache, strings, table, /) -> bytes\n--\n\n"
+"The pprof Sample.label fields of ``labels`` ((key, value) string pairs), in order. Each\n"
+"pair's field comes from ``cache`` (pair -> bytes) or is made, its key then its value\n"
+"interned in ``strings`` (str -> index) and ``table`` (the list of strings), and cached.");
+
+static PyObject *
+pprof_label_fields(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *seq, *cache, *strings, *table, *fields = NULL, *out = NULL;
+    Py_ssize_t i, n, total = 0;
+    char *at;
+
+    if (check_nargs("pprof_label_fields", nargs, 4) < 0) {
+        return NULL;
+    }
+    cache = args[1];
+    strings = args[2];
+    table = args[3];
+    if (!PyDict_Check(cache) || !PyDict_Check(strings) || !PyList_Check(table)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "pprof_label_fields expects (labels, dict, dict, list)");
+        return NULL;
+    }
+    if ((seq = PySequence_Fast(args[0], "labels must be a sequence of pairs")) == NULL) {
+        return NULL;
+    }
+    n = PySequence_Fast_GET_SIZE(seq);
+    if ((fields = PyTuple_New(n)) == NULL) {
+        goto done;
+    }
+    for (i = 0; i < n; i++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *field = PyDict_GetItemWithError(cache, pair);  /* borrowed */
+        if (field != NULL) {
+            Py_INCREF(field);
+        }
+        else {
+            if (PyErr_Occurred() || (field = make_label_field(pair, strings, table)) == NULL) {
+                goto done;
+            }
+            if (PyDict_SetItem(cache, pair, field) < 0) {
+                Py_DECREF(field);
+                goto done;
+            }
+        }
+        if (!PyBytes_Check(field)) {
+            PyErr_Format(PyExc_TypeError, "a cached label field is %.100s, not bytes",
+                         Py_TYPE(field)->tp_name);
+            Py_DECREF(field);
+            goto done;
+        }
+        PyTuple_SET_ITEM(fields, i, field);
+        total += PyBytes_GET_SIZE(field);
+    }
+    if ((out = PyBytes_FromStringAndSize(NULL, total)) == NULL) {
+        goto done;
+    }
+    at = PyBytes_AS_STRING(out);
+    for (i = 0; i < n; i++) {
+        PyObject *field = PyTuple_GET_ITEM(fields, i);
+        memcpy(at, PyBytes_AS_STRING(field), (size_t)PyBytes_GET_SIZE(field));
+        at += PyBytes_GET_SIZE(field);
+    }
+done:
+    Py_XDECREF(fields);
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef wire_methods[] = {
     {"put_varint", (PyCFunction)(void (*)(void))put_varint, METH_FASTCALL, put_varint_doc},
     {"put_varint_field", (PyCFunction)(void (*)(void))put_varint_field, METH_FASTCALL,
@@ -345,6 +504,8 @@ static PyMethodDef wire_methods[] = {
      put_string_field_doc},
     {"put_packed_varints_field", (PyCFunction)(void (*)(void))put_packed_varints_field,
      METH_FASTCALL, put_packed_varints_field_doc},
+    {"pprof_label_fields", (PyCFunction)(void (*)(void))pprof_label_fields, METH_FASTCALL,
+     pprof_label_fields_doc},
     {NULL, NULL, 0, NULL},
 };
 
