@@ -70,7 +70,11 @@ def _window() -> MemoryWindow:
         values={(sid, labels): 4096, (sid, LabelSet()): 512},
         end_ns=2_000,
         alloc_objects={(sid, labels): 4, (sid, LabelSet()): 1},
-        inuse={(sid, labels): (2, 2048)},
+        inuse={
+            (sid, labels): (2, 2048),
+            # Allocated in an earlier window, still in use: in-use values only.
+            (sid, LabelSet({"span_id": "00000000000000b2"})): (1, 1024),
+        },
     )
 
 
@@ -89,6 +93,7 @@ def test_memory_encoder_writes_pyroscopes_memory_profile_type() -> None:
     assert rows == {
         (("region", "eu"), ("span_id", "00000000000000a1")): (4, 4096, 2, 2048),
         (): (1, 512, 0, 0),
+        (("span_id", "00000000000000b2"),): (0, 0, 1, 1024),
     }
     assert {sample.stack[0].function for sample in profile.samples} == {"keeps_memory"}
 

@@ -36,6 +36,8 @@ OK = "ok"
 _foreign_ids = itertools.count(1)
 
 _Key = tuple[int, LabelSet]
+# id(labels) -> (labels, breached, labels with slo): one upload's labelled label sets.
+_Labelled = dict[int, tuple[LabelSet, bool, LabelSet]]
 
 
 class _Held:
@@ -124,7 +126,7 @@ class SloHold:
                 objects_in, objects = {}, {}
             # Rotate first: a verdict written from now on lands in what will be looked up next.
             verdict = self._reader.rotate()
-            labelled: dict[tuple[LabelSet, bool], LabelSet] = {}
+            labelled: _Labelled = {}
             values = out.values
             # Closing: this is the last upload, so nothing waits any more.
             max_age = 0 if self._closing else self.max_windows
@@ -150,15 +152,17 @@ class SloHold:
                     decision = decisions[id(labels)] = self._decide(
                         labels, verdict, labelled, window.tables, max_age
                     )
-                allocated = objects_in.get(key, 0) if memory else 0
+                # One lookup (a key's hash calls LabelSet.__hash__, a Python method): None when
+                # the key has no objects (CPU windows have none).
+                found = objects_in.get(key) if memory else None
+                allocated = 0 if found is None else found
                 if isinstance(decision, LabelSet):
-                    source = key
                     if decision is not labels:
                         self.labelled_ns += weight
                         key = (key[0], decision)
                     values[key] = weight
-                    if memory and source in objects_in:
-                        objects[key] = allocated
+                    if found is not None:
+                        objects[key] = found
                 elif key in decision.values:  # held from an earlier upload too
                     decision.values[key] += weight
                     if allocated:
@@ -170,8 +174,8 @@ class SloHold:
                         decision.objects[key] = allocated
                 else:  # full: let it go unlabelled
                     values[key] = weight
-                    if memory and key in objects_in:
-                        objects[key] = allocated
+                    if found is not None:
+                        objects[key] = found
                     self.overflow_ns += weight
                 if count & 4095 == 4095:
                     time.sleep(0)  # a big window: let the application have the GIL
@@ -202,7 +206,7 @@ class SloHold:
         self,
         labels: LabelSet,
         verdict: Lookup,
-        labelled: dict[tuple[LabelSet, bool], LabelSet],
+        labelled: _Labelled,
         tables: StackTables,
         max_age: int,
     ) -> LabelSet | _Held:
@@ -245,16 +249,16 @@ class SloHold:
         }
 
 
-def _with_verdict(
-    cache: dict[tuple[LabelSet, bool], LabelSet], labels: LabelSet, breached: bool
-) -> LabelSet:
-    """``labels`` plus ``slo``, made once per upload for each label set and verdict."""
-    labelled = cache.get((labels, breached))
-    if labelled is None:
-        labelled = cache[(labels, breached)] = labels.merged(
-            {SLO_LABEL: BREACHED if breached else OK}
-        )
-    return labelled
+def _with_verdict(cache: _Labelled, labels: LabelSet, breached: bool) -> LabelSet:
+    """``labels`` plus ``slo``, made once per upload for each label set object and verdict."""
+    # By the object's id, not its content: a content key hashes the label set, a Python call,
+    # twice for every span. The entry keeps ``labels`` alive, so its id stays its own.
+    entry = cache.get(id(labels))
+    if entry is not None and entry[0] is labels and entry[1] is breached:
+        return entry[2]
+    merged = labels.merged({SLO_LABEL: BREACHED if breached else OK})
+    cache[id(labels)] = (labels, breached, merged)
+    return merged
 
 
 def _foreign(window: Window, frames: tuple[Frame, ...]) -> int:

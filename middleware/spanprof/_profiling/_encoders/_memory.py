@@ -32,6 +32,7 @@ MEMORY_SAMPLE_TYPES = (
     ("inuse_space", "bytes"),
 )
 MEMORY_PERIOD_TYPE = ("space", "bytes")
+_NOTHING_IN_USE = (0, 0)
 
 
 def memory_series_labels(application_name: str, tags: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -75,16 +76,18 @@ class MemoryEncoder(SlicedEncoder):
         alloc_space = window.values
         alloc_objects = window.alloc_objects
         inuse = window.inuse
-        for key in list(alloc_space.keys() | inuse.keys()):
-            inuse_objects, inuse_space = inuse.get(key, (0, 0))
-            values = (
-                alloc_objects.get(key, 0),
-                alloc_space.get(key, 0),
-                inuse_objects,
-                inuse_space,
-            )
+        stack = window.stack
+        # Each key is looked up as few times as it can be: a key's hash calls the label set's
+        # __hash__, a Python method (a span-labelled sample's key is met once per window).
+        # Copies: the windows' dicts are not to change meanwhile, and this runs in slices.
+        for key, space in list(alloc_space.items()):
+            inuse_objects, inuse_space = inuse.get(key, _NOTHING_IN_USE) if inuse else (0, 0)
+            values = (alloc_objects.get(key, 0), space, inuse_objects, inuse_space)
             if any(values):
-                yield window.stack(key[0]), values, key[1].items_tuple
+                yield stack(key[0]), values, key[1].items_tuple
+        for key, (inuse_objects, inuse_space) in list(inuse.items()):
+            if key not in alloc_space and (inuse_objects or inuse_space):
+                yield stack(key[0]), (0, 0, inuse_objects, inuse_space), key[1].items_tuple
 
     def _new_builder(self) -> ProfileBuilder:
         return ProfileBuilder(
