@@ -43,6 +43,7 @@ PROFILING_FLOORS: dict[str, int] = {
     "_samplers": 1,
     "_settings": 1,
     "_hold": 2,
+    "_verdicts": 2,
     "_encoders": 2,
     "_exporters": 3,
     "_pyroscope": 4,
