@@ -223,9 +223,7 @@ class ExactBackend(WithPyroscopeSettings):
         self._exporters: list[WindowExporter] = []
         self._hold: SloHold | None = None
         self._memory_hold: SloHold | None = None
-        # The request path's two calls per request, set while sampling exactly: the verdicts
-        # the holds share, and the memory sampler's per-span bytes (None: no memory sampling).
-        self._verdicts: Verdicts | None = None
+        # The memory sampler's per-span bytes, for the request path (None: no memory sampling).
         self._take_span_bytes: Callable[[str], int] | None = None
         self._fallback: PyroscopeBackend | None = None
         self._sink = _ignore
@@ -349,7 +347,7 @@ class ExactBackend(WithPyroscopeSettings):
                 return
             # After a fork the parent's objects are here, but not its threads or timer.
             self._sampler = self._fallback = self._hold = self._memory_hold = None
-            self._verdicts = self._take_span_bytes = None
+            self._take_span_bytes = None
             self._exporters = []
             self._memory_exporters = []
             self._sink = _ignore
@@ -429,7 +427,6 @@ class ExactBackend(WithPyroscopeSettings):
                 raise
             else:
                 self._sampler, self._exporters, self._hold = sampler, exporters, hold
-                self._verdicts = hold.verdicts
                 self._sink = sampler.set_thread_labels
                 self._ident = sampler.ident
                 # The main thread's labels are read from its context, not pushed.
@@ -444,7 +441,7 @@ class ExactBackend(WithPyroscopeSettings):
                     " and ".join(self.exporters),
                 )
                 if self.memory:
-                    self._start_memory(pid)
+                    self._start_memory(pid, hold.verdicts)
             self._pid = pid
             self._register_atexit()
 
@@ -553,7 +550,7 @@ class ExactBackend(WithPyroscopeSettings):
             encoder=encoder,
         )
 
-    def _start_memory(self, pid: int) -> None:
+    def _start_memory(self, pid: int, verdicts: Verdicts) -> None:
         # Allocation sampling with exporters of its own: memory is a Pyroscope series of its own,
         # and an OTLP request of its own (its failures and drops are not the CPU profiles').
         sampler = self._memory_sampler
@@ -588,7 +585,7 @@ class ExactBackend(WithPyroscopeSettings):
             exporters.append(("memory_", otlp))  # its keys start with otlp_ already
         # Allocations wait for their request's SLO verdict too: the CPU hold's, taken on
         # this hold's own clock.
-        hold = SloHold(sampler.take_window, max_windows=2, verdicts=self._verdicts)
+        hold = SloHold(sampler.take_window, max_windows=2, verdicts=verdicts)
         fanout = WindowFanout(hold.take_window, len(exporters))
         for i, (_prefix, exporter) in enumerate(exporters):
             exporter.start(fanout.collector(i), ignore_profiler_thread)
@@ -622,7 +619,7 @@ class ExactBackend(WithPyroscopeSettings):
             sampler, exporters, fallback = self._sampler, self._exporters, self._fallback
             hold, memory_hold = self._hold, self._memory_hold
             self._memory_hold = None
-            self._verdicts = self._take_span_bytes = None
+            self._take_span_bytes = None
             if memory_hold is not None:
                 memory_hold.close()
             memory_exporters = [exporter for _prefix, exporter in self._memory_exporters]
@@ -651,12 +648,12 @@ class ExactBackend(WithPyroscopeSettings):
 
         ``None`` when not sampling exactly (the pyroscope-io fallback has no hold).
         """
-        sampler, verdicts = self._sampler, self._verdicts
-        if sampler is None or verdicts is None:
+        sampler, hold = self._sampler, self._hold
+        if sampler is None or hold is None:
             return None
         # One store for both holds (CPU and memory), and the span's bytes straight from C: the
         # request path pays for every Python frame here (about 1,000 instructions each).
-        verdicts.record(span_id, breached)
+        hold.verdicts.record(span_id, breached)
         take_bytes = self._take_span_bytes
         return span_usage(
             sampler.span_cpu_ns(span_id), None if take_bytes is None else take_bytes(span_id)
