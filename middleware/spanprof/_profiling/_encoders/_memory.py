@@ -79,9 +79,11 @@ class MemoryEncoder(SlicedEncoder):
         stack = window.stack
         # Each key is looked up as few times as it can be: a key's hash calls the label set's
         # __hash__, a Python method (a span-labelled sample's key is met once per window).
-        # Copies: the windows' dicts are not to change meanwhile, and this runs in slices.
+        # Over copies, as before: this generator runs in slices between other threads' work.
         for key, space in list(alloc_space.items()):
-            inuse_objects, inuse_space = inuse.get(key, _NOTHING_IN_USE) if inuse else (0, 0)
+            inuse_objects, inuse_space = (
+                inuse.get(key, _NOTHING_IN_USE) if inuse else _NOTHING_IN_USE
+            )
             values = (alloc_objects.get(key, 0), space, inuse_objects, inuse_space)
             if any(values):
                 yield stack(key[0]), values, key[1].items_tuple

@@ -253,12 +253,11 @@ class MemorySampler:
         Counted by the hook at each sample, so what the span allocated since the last drain is
         in; ``None`` when this sampler does not run in this process.
         """
-        if _alloc is None or self._pid != current_pid():
-            return None
-        return _alloc.take_span(span_id)
+        take = self.span_bytes_taker()
+        return None if take is None else take(span_id)
 
     def span_bytes_taker(self) -> Callable[[str], int] | None:
-        """``span_alloc_bytes`` without its checks, while this sampler runs in this process.
+        """``span_alloc_bytes``'s function, while this sampler runs in this process.
 
         For the request path, which asks once per request: it checks that this sampler runs
         here once, when it starts, and drops the function when it stops. ``None`` when this
