@@ -50,14 +50,17 @@ def _recurse(n: int, then: Callable[[FrameType], _T]) -> _T:
 
 
 def _walked_and_keyed(frame: FrameType) -> _Stacks:
-    """The stack the Python walk interns for ``frame``, and the one the keyed path hands back."""
+    """The stack the Python walk interns for ``frame``, and the one the keyed path hands back
+    (checked against the C walk's, on tables of its own)."""
     sampler = Sampler(sample_rate=1)
     tables = StackTables()
-    walked = tables.stacks[sampler._walk(tables, frame)]
+    walked = tables.stacks[tables.stack_of(sampler._frame_ids_python(tables, frame))]
     keyed = tables.stacks[sampler._stack_id(tables, frame)]  # a miss: walks, then caches
     again = tables.stacks[sampler._stack_id(tables, frame)]  # a hit
     assert sampler._keyed, "the keyed path cached nothing"
     assert keyed == again
+    fresh = StackTables()
+    assert fresh.stacks[fresh.stack_of(sampler._frame_ids(fresh, frame))] == walked
     return walked, keyed
 
 
@@ -152,12 +155,75 @@ def test_the_cache_is_only_good_for_its_tables() -> None:
     assert new.stacks[new_sid] == old.stacks[0]
 
 
+def _needs_frame_ids() -> Callable[..., object]:
+    frame_ids = _signal._c_stack_frame_ids
+    assert frame_ids is not None, "_alloc.stack_frame_ids is not available"
+    return frame_ids
+
+
+def test_the_c_walk_hands_back_frames_it_has_no_id_for() -> None:
+    """A frame the tables have not interned comes back as (code, lasti, line), in its place:
+    the line the Python walk reads from it."""
+    frame_ids = _needs_frame_ids()
+
+    def look(frame: FrameType) -> None:
+        tables = StackTables()
+        sampler = Sampler(sample_rate=1)
+        caller = frame.f_back
+        assert caller is not None
+        # Intern the callers only: the leaf is the one frame without an id.
+        known = sampler._frame_ids_python(tables, caller)
+        found = frame_ids(caller, MAX_DEPTH, tables.frame_ids)
+        assert found == known
+        found = frame_ids(frame, MAX_DEPTH, tables.frame_ids)
+        assert isinstance(found, list)
+        assert found[1:] == list(known)
+        assert found[0] == (frame.f_code, frame.f_lasti, frame.f_lineno)
+        assert frame_ids(frame, 2, tables.frame_ids)[1:] == list(known[:1])  # type: ignore[index]
+
+    _recurse(3, look)
+
+
+def test_a_new_leaf_under_known_callers_is_the_walked_stack() -> None:
+    """The second sample of a frame at another instruction reuses its callers' ids: only the
+    leaf is looked up, and the stack is the one the walk finds."""
+    _needs_key()
+    sampler = Sampler(sample_rate=1)
+    tables = StackTables()
+
+    def look(frame: FrameType) -> tuple[tuple[Frame, ...], tuple[Frame, ...]]:
+        keyed = tables.stacks[sampler._stack_id(tables, frame)]
+        other = StackTables()
+        return keyed, other.stacks[other.stack_of(sampler._frame_ids_python(other, frame))]
+
+    def twice(_frame: FrameType) -> tuple[_Stacks, _Stacks]:
+        # The running frame, at two instructions (two lines) of its own.
+        first = look(sys._getframe())
+        second = look(sys._getframe())
+        return first, second
+
+    (first, first_walked), (second, second_walked) = _recurse(4, twice)
+    assert first == first_walked
+    assert second == second_walked
+    assert first[1:] == second[1:]
+    assert first[0] != second[0]  # another line of the same function
+    assert len(sampler._keyed) == 2
+    assert len(sampler._callers) == 1  # the second leaf found its callers cached
+
+
 def test_stack_key_refuses_what_is_not_a_frame() -> None:
     key = _needs_key()
     with pytest.raises(TypeError):
         key("frame", 3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_frames"):
         key(sys._getframe(), MAX_DEPTH + 1)
+    frame_ids = _needs_frame_ids()
+    with pytest.raises(TypeError):
+        frame_ids(sys._getframe(), 3)
+    with pytest.raises(TypeError, match="dict"):
+        frame_ids(sys._getframe(), 3, [])
+    with pytest.raises(ValueError, match="max_frames"):
+        frame_ids(sys._getframe(), -1, {})
 
 
 @pytest.mark.skipif(

@@ -77,7 +77,7 @@ class StackTables:
     def add_stack(self, key: tuple[int, ...]) -> int:
         frames = self.frames
         sid = len(self.stacks)
-        self.stacks.append(tuple(frames[i] for i in key))
+        self.stacks.append(tuple(map(frames.__getitem__, key)))
         self.stack_ids[key] = sid
         return sid
 

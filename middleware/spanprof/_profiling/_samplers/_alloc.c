@@ -1863,8 +1863,67 @@ alloc_addr2line(PyObject *Py_UNUSED(module), PyObject *args)
     return PyLong_FromLong(line);
 }
 
-/* The most frames stack_key() reads (the CPU sampler's MAX_DEPTH). */
+/* The most frames stack_key() and stack_frame_ids() read (the CPU sampler's MAX_DEPTH). */
 #define STACK_KEY_MAX 256
+
+/* The stack from `frame_obj` outwards into key[]: per frame, leaf first, its code object's
+ * address and its last instruction's byte offset (-1 before its first). Returns the number of
+ * frames read, or -1 for a frame that has returned (3.11+: its frame object holds a copy whose
+ * link to the caller is gone) or -2 on an interpreter whose frames this module cannot read.
+ * No allocation, no Python call. */
+static Py_ssize_t
+read_stack(PyObject *frame_obj, Py_ssize_t max, int64_t *key)
+{
+    Py_ssize_t n = 0;
+#if PY_VERSION_HEX < 0x030B0000
+    for (PyFrameObject *frame = (PyFrameObject *)frame_obj; frame != NULL && n < max;
+         frame = frame->f_back) {
+        key[2 * n] = (int64_t)(uintptr_t)frame->f_code;
+        key[2 * n + 1] = frame->f_lasti < 0 ? -1 : frame->f_lasti * (int64_t)sizeof(_Py_CODEUNIT);
+        n++;
+    }
+#elif ALLOC_FRAMES_KNOWN
+    PyCodeObject *code;
+    _PyInterpreterFrame *frame = ((PyFrameObject *)frame_obj)->f_frame;
+    if (frame->owner == FRAME_OWNED_BY_FRAME_OBJECT) {
+        return -1;
+    }
+    frame = shown_frame(frame, &code);
+    for (; frame != NULL && n < max; frame = shown_frame(frame->previous, &code)) {
+        int lasti = _PyInterpreterFrame_LASTI(frame);
+        key[2 * n] = (int64_t)(uintptr_t)code;
+        key[2 * n + 1] = lasti < 0 ? -1 : lasti * (int64_t)sizeof(_Py_CODEUNIT);
+        n++;
+    }
+#else
+    (void)frame_obj;
+    (void)max;
+    (void)key;
+    return -2;
+#endif
+    return n;
+}
+
+/* The (frame, max_frames) arguments both functions take: max_frames in *max, or -1 with an
+ * exception set. */
+static int
+stack_arguments(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
+                Py_ssize_t *max)
+{
+    if (nargs != want || !PyFrame_Check(args[0]) || !PyLong_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "%s: wrong arguments (see its docstring)", name);
+        return -1;
+    }
+    *max = PyLong_AsSsize_t(args[1]);
+    if (*max == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (*max < 0 || *max > STACK_KEY_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: max_frames must be 0 to %d", name, STACK_KEY_MAX);
+        return -1;
+    }
+    return 0;
+}
 
 PyDoc_STRVAR(stack_key_doc,
 "stack_key(frame, max_frames, /) -> bytes | None\n"
@@ -1881,48 +1940,115 @@ alloc_stack_key(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t n
 {
     /* Filled on the C stack: the handler calls this on every tick. */
     int64_t key[2 * STACK_KEY_MAX];
-    Py_ssize_t n = 0, max;
-    if (nargs != 2 || !PyFrame_Check(args[0]) || !PyLong_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "stack_key(frame, max_frames): a frame and an int");
+    Py_ssize_t n, max;
+    if (stack_arguments("stack_key", args, nargs, 2, &max) < 0) {
         return NULL;
     }
-    max = PyLong_AsSsize_t(args[1]);
-    if (max == -1 && PyErr_Occurred()) {
+    n = read_stack(args[0], max, key);
+    if (n == -1) {
+        Py_RETURN_NONE;
+    }
+    if (n == -2) {
+        PyErr_SetString(PyExc_RuntimeError, "stack_key: this CPython's frame layout is not known");
         return NULL;
     }
-    if (max < 0 || max > STACK_KEY_MAX) {
-        PyErr_Format(PyExc_ValueError, "stack_key: max_frames must be 0 to %d", STACK_KEY_MAX);
-        return NULL;
-    }
-#if PY_VERSION_HEX < 0x030B0000
-    for (PyFrameObject *frame = (PyFrameObject *)args[0]; frame != NULL && n < max;
-         frame = frame->f_back) {
-        key[2 * n] = (int64_t)(uintptr_t)frame->f_code;
-        key[2 * n + 1] = frame->f_lasti < 0 ? -1 : frame->f_lasti * (int64_t)sizeof(_Py_CODEUNIT);
-        n++;
-    }
-#elif ALLOC_FRAMES_KNOWN
-    {
-        PyCodeObject *code;
-        _PyInterpreterFrame *frame = ((PyFrameObject *)args[0])->f_frame;
-        if (frame->owner == FRAME_OWNED_BY_FRAME_OBJECT) {
-            /* A frame that has returned: its frame object holds a copy whose link to the
-             * caller is gone (f_back still has it). The sampler only reads running frames. */
-            Py_RETURN_NONE;
-        }
-        frame = shown_frame(frame, &code);
-        for (; frame != NULL && n < max; frame = shown_frame(frame->previous, &code)) {
-            int lasti = _PyInterpreterFrame_LASTI(frame);
-            key[2 * n] = (int64_t)(uintptr_t)code;
-            key[2 * n + 1] = lasti < 0 ? -1 : lasti * (int64_t)sizeof(_Py_CODEUNIT);
-            n++;
-        }
-    }
-#else
-    PyErr_SetString(PyExc_RuntimeError, "stack_key: this CPython's frame layout is not known");
-    return NULL;
-#endif
     return PyBytes_FromStringAndSize((const char *)key, n * 2 * (Py_ssize_t)sizeof(int64_t));
+}
+
+PyDoc_STRVAR(stack_frame_ids_doc,
+"stack_frame_ids(frame, max_frames, frame_ids, /) -> tuple[int, ...] | list | None\n"
+"--\n"
+"\n"
+"The stack from ``frame`` outwards (as ``stack_key`` reads it) as the frame ids ``frame_ids``\n"
+"maps each frame's ``(id(code), lasti)`` to: a tuple when every frame has one, else a list\n"
+"holding ``(code, lasti, line)`` where a frame has none, for the caller to intern. None for a\n"
+"frame that has returned (3.11+). The CPU sampler's walk of a stack its key cache missed,\n"
+"without making a frame object for each caller as ``f_back`` does.");
+
+static PyObject *
+alloc_stack_frame_ids(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t key[2 * STACK_KEY_MAX];
+    Py_ssize_t n, max, missing = 0;
+    PyObject *ids, *result;
+    if (stack_arguments("stack_frame_ids", args, nargs, 3, &max) < 0) {
+        return NULL;
+    }
+    if (!PyDict_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "stack_frame_ids: frame_ids must be a dict");
+        return NULL;
+    }
+    n = read_stack(args[0], max, key);
+    if (n == -1) {
+        Py_RETURN_NONE;
+    }
+    if (n == -2) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "stack_frame_ids: this CPython's frame layout is not known");
+        return NULL;
+    }
+    ids = PyList_New(n);
+    if (ids == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* The code objects are the running frames' (borrowed): alive while we hold the GIL. */
+        PyObject *code = (PyObject *)(uintptr_t)key[2 * i];
+        PyObject *lasti = PyLong_FromLongLong(key[2 * i + 1]);
+        PyObject *address, *pair, *fid;
+        if (lasti == NULL) {
+            goto error;
+        }
+        address = PyLong_FromVoidPtr(code);  /* what id(code) returns */
+        if (address == NULL) {
+            Py_DECREF(lasti);
+            goto error;
+        }
+        pair = PyTuple_New(2);
+        if (pair == NULL) {
+            Py_DECREF(address);
+            Py_DECREF(lasti);
+            goto error;
+        }
+        PyTuple_SET_ITEM(pair, 0, address);  /* steals */
+        PyTuple_SET_ITEM(pair, 1, lasti);
+        fid = PyDict_GetItemWithError(args[2], pair);  /* borrowed */
+        if (fid != NULL) {
+            Py_DECREF(pair);
+            Py_INCREF(fid);
+            PyList_SET_ITEM(ids, i, fid);
+            continue;
+        }
+        if (PyErr_Occurred()) {
+            Py_DECREF(pair);
+            goto error;
+        }
+        /* Not interned yet: hand the frame over as the caller's tables take a raw one. */
+        {
+            int offset = (int)key[2 * i + 1];
+            int line = offset < 0 ? -1 : PyCode_Addr2Line((PyCodeObject *)code, offset);
+            PyObject *raw;
+            if (line < 0) {
+                line = ((PyCodeObject *)code)->co_firstlineno;
+            }
+            raw = Py_BuildValue("(OOi)", code, PyTuple_GET_ITEM(pair, 1), line);
+            Py_DECREF(pair);
+            if (raw == NULL) {
+                goto error;
+            }
+            PyList_SET_ITEM(ids, i, raw);
+            missing++;
+        }
+    }
+    if (missing) {
+        return ids;
+    }
+    result = PyList_AsTuple(ids);
+    Py_DECREF(ids);
+    return result;
+error:
+    Py_DECREF(ids);
+    return NULL;
 }
 
 #ifdef ALLOC_TIMER_ARM
@@ -1977,6 +2103,8 @@ alloc_timer_arm(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t n
 
 static PyMethodDef alloc_methods[] = {
     {"stack_key", (PyCFunction)(void (*)(void))alloc_stack_key, METH_FASTCALL, stack_key_doc},
+    {"stack_frame_ids", (PyCFunction)(void (*)(void))alloc_stack_frame_ids, METH_FASTCALL,
+     stack_frame_ids_doc},
 #ifdef ALLOC_TIMER_ARM
     {"timer_arm", (PyCFunction)(void (*)(void))alloc_timer_arm, METH_FASTCALL, timer_arm_doc},
 #endif
@@ -1995,8 +2123,9 @@ static PyMethodDef alloc_methods[] = {
 
 PyDoc_STRVAR(module_doc,
 "Allocation sampling for spanprof's memory profiles: a hook on CPython's object allocator\n"
-"records the stack and the labels of about one block per ``mean_bytes`` allocated. Also two\n"
-"steps of the CPU sampler's signal handler, in C for speed: stack_key and timer_arm.");
+"records the stack and the labels of about one block per ``mean_bytes`` allocated. Also three\n"
+"steps of the CPU sampler's signal handler, in C for speed: stack_key, stack_frame_ids and\n"
+"timer_arm.");
 
 static struct PyModuleDef alloc_module = {
     PyModuleDef_HEAD_INIT,

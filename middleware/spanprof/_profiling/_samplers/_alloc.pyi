@@ -73,3 +73,9 @@ def stack_key(frame: FrameType, max_frames: int, /) -> bytes | None:
 
 def timer_arm(timer_id: int, value_ns: int, interval_ns: int, /) -> bool:
     """``timer_settime`` on 64-bit Linux (absent elsewhere); False if the kernel refused."""
+
+def stack_frame_ids(
+    frame: FrameType, max_frames: int, frame_ids: dict[tuple[int, int], int], /
+) -> tuple[int, ...] | list[int | tuple[CodeType, int, int]] | None:
+    """The stack from ``frame`` out as the ids ``frame_ids`` maps ``(id(code), lasti)`` to; a
+    list with ``(code, lasti, line)`` where a frame has none; ``None`` for a returned frame."""

@@ -89,6 +89,11 @@ _c_current_frames_gc_off: Callable[[], dict[int, FrameType]] | None = (
 )
 
 
+# What _alloc.stack_frame_ids returns for a stack: its frame ids, or (some frames not interned
+# yet) a list holding each such frame's (code, lasti, line) in its place.
+_FrameIds = tuple[int, ...] | list[int | tuple[CodeType, int, int]]
+
+
 def _find_stack_key() -> Callable[[FrameType, int], bytes | None] | None:
     """``_alloc.stack_key`` where it reads this interpreter's frames, else ``None``."""
     try:
@@ -103,6 +108,24 @@ def _find_stack_key() -> Callable[[FrameType, int], bytes | None] | None:
 
 
 _c_stack_key = _find_stack_key()
+
+
+def _find_stack_frame_ids() -> (
+    Callable[[FrameType, int, dict[tuple[int, int], int]], _FrameIds | None] | None
+):
+    """``_alloc.stack_frame_ids`` where it reads this interpreter's frames, else ``None``."""
+    try:
+        from ._alloc import stack_frame_ids
+    except ImportError:  # not built (or built before it existed)
+        return None
+    try:
+        stack_frame_ids(sys._getframe(), 1, {})
+    except RuntimeError:  # a frame layout _alloc does not know
+        return None
+    return stack_frame_ids
+
+
+_c_stack_frame_ids = _find_stack_frame_ids()
 
 __all__ = [
     "CLOCKS",
@@ -128,6 +151,8 @@ MAX_TABLE_SIZE = 100_000
 _MAX_SPANS = 65536
 # Stack ids cached by their C stack key (see _stack_id); cleared when full.
 _MAX_KEYED = 16384
+# Bytes of one frame in a C stack key: its code's address and its instruction offset.
+_KEY_FRAME_BYTES = 16
 # Stall durations kept for percentiles.
 _STALL_RING = 4096
 _PRUNE_EVERY = 64
@@ -452,6 +477,9 @@ class Sampler:
         # Stack ids by _alloc.stack_key, for self._keyed_tables only.
         self._keyed: dict[bytes, int] = {}
         self._keyed_tables: StackTables | None = None
+        # The frame ids of a stack's callers by its key's callers part (the key less its leaf's
+        # _KEY_FRAME_BYTES), for self._keyed_tables only.
+        self._callers: dict[bytes, tuple[int, ...]] = {}
         # Wall and CPU time of the last handler runs: how long the main thread was held up.
         self._stalls = [0] * _STALL_RING
         self._stall_cpu = [0] * _STALL_RING
@@ -1107,16 +1135,51 @@ class Sampler:
         keyed = self._keyed
         if self._keyed_tables is not tables:
             keyed.clear()
+            self._callers.clear()
             self._keyed_tables = tables
         sid = keyed.get(key)
         if sid is None:
-            sid = self._walk(tables, frame)
+            sid = tables.stack_of(self._new_stack_ids(tables, frame, key))
             if len(keyed) >= _MAX_KEYED:
                 keyed.clear()
             keyed[key] = sid
         return sid
 
+    def _new_stack_ids(self, tables: StackTables, frame: FrameType, key: bytes) -> tuple[int, ...]:
+        # A key the cache has not seen is most often a new instruction under callers it has
+        # (the leaf moves on every tick; call sites do not): their frame ids are kept by the
+        # key's callers part, so only the leaf is looked up. Else the whole stack is.
+        callers_key = key[_KEY_FRAME_BYTES:]
+        callers = self._callers.get(callers_key)
+        if callers is None:
+            ids = self._frame_ids(tables, frame)
+            if len(self._callers) >= _MAX_KEYED:
+                self._callers.clear()
+            self._callers[callers_key] = ids[1:]
+            return ids
+        leaf_key = (id(frame.f_code), frame.f_lasti)
+        fid = tables.frame_ids.get(leaf_key)
+        if fid is None:
+            fid = tables.add_frame(leaf_key, frame)
+        return (fid, *callers)
+
     def _walk(self, tables: StackTables, frame: FrameType | None) -> int:
+        return tables.stack_of(self._frame_ids(tables, frame))
+
+    def _frame_ids(self, tables: StackTables, frame: FrameType | None) -> tuple[int, ...]:
+        frame_ids = _c_stack_frame_ids
+        if frame_ids is not None and frame is not None:
+            # In C the walk costs a dictionary lookup a frame, where f_back in Python makes a
+            # frame object for each caller that has none yet.
+            found = frame_ids(frame, MAX_DEPTH, tables.frame_ids)
+            if type(found) is tuple:
+                return found
+            if found is not None:
+                raw = tables.raw_frame
+                return tuple(fid if isinstance(fid, int) else raw(*fid) for fid in found)
+        return self._frame_ids_python(tables, frame)
+
+    def _frame_ids_python(self, tables: StackTables, frame: FrameType | None) -> tuple[int, ...]:
         ids: list[int] = []
         append = ids.append
         get = tables.frame_ids.get
@@ -1129,7 +1192,7 @@ class Sampler:
             append(fid)
             frame = frame.f_back
             depth += 1
-        return tables.stack_of(tuple(ids))
+        return tuple(ids)
 
     def _entry_stack_id(self, tables: StackTables, raw: _RawStack) -> int:
         # Keyed by identity: _job_entry returns the same tuple for the same stack, and hashing
