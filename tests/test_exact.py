@@ -31,6 +31,7 @@ from spanprof._profiling._exact import ExactBackend
 from spanprof._profiling._exporters._pusher import Pusher
 from spanprof._profiling._pyroscope import PyroscopeBackend
 from spanprof._profiling._runtime import ProfilerRuntime
+from spanprof._profiling._samplers import _signal
 from spanprof._profiling._samplers._signal import (
     Sampler,
     SamplerUnavailable,
@@ -854,3 +855,27 @@ def test_profiler_from_env_selects_the_agent_with_pyroscope() -> None:
     assert isinstance(
         profiler_from_env({**AGENT_ENV, "SPANPROF_PROFILER": "pyroscope"}), PyroscopeBackend
     )
+
+
+def test_the_span_cpu_taker_pops_what_the_span_s_samples_booked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The request path takes a span's CPU through ``span_cpu_taker`` (one C call): the same
+    figure as ``span_cpu_ns``, forgotten once taken, and still good after the sampler started
+    its per-span totals over (full of spans nobody ended)."""
+    sampler = Sampler(sample_rate=1)
+    take = sampler.span_cpu_taker()
+    a, b = LabelSet({"span_id": "a"}), LabelSet({"span_id": "b"})
+    sampler._credit(a, 5)
+    sampler._credit(a, 7)
+    sampler._credit(EMPTY, 11)  # nobody's
+    assert take("a", 0) == 12
+    assert take("a", 0) == 0
+    sampler._credit(a, 3)
+    assert sampler.span_cpu_ns("a") == 3
+    monkeypatch.setattr(_signal, "_MAX_SPANS", 1)
+    sampler._credit(a, 1)
+    sampler._credit(b, 2)  # full: starts over
+    assert sampler.span_resets == 1
+    assert take("a", 0) == 0
+    assert take("b", 0) == 2

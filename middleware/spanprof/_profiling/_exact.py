@@ -223,7 +223,9 @@ class ExactBackend(WithPyroscopeSettings):
         self._exporters: list[WindowExporter] = []
         self._hold: SloHold | None = None
         self._memory_hold: SloHold | None = None
-        # The memory sampler's per-span bytes, for the request path (None: no memory sampling).
+        # The sampler's per-span CPU, ``take(span_id, 0)``, for the request path (None: not
+        # sampling exactly); the memory sampler's per-span bytes (None: no memory sampling).
+        self._take_span_cpu: Callable[[str, int], int] | None = None
         self._take_span_bytes: Callable[[str], int] | None = None
         self._fallback: PyroscopeBackend | None = None
         self._sink = _ignore
@@ -347,7 +349,7 @@ class ExactBackend(WithPyroscopeSettings):
                 return
             # After a fork the parent's objects are here, but not its threads or timer.
             self._sampler = self._fallback = self._hold = self._memory_hold = None
-            self._take_span_bytes = None
+            self._take_span_cpu = self._take_span_bytes = None
             self._exporters = []
             self._memory_exporters = []
             self._sink = _ignore
@@ -427,6 +429,7 @@ class ExactBackend(WithPyroscopeSettings):
                 raise
             else:
                 self._sampler, self._exporters, self._hold = sampler, exporters, hold
+                self._take_span_cpu = sampler.span_cpu_taker()
                 self._sink = sampler.set_thread_labels
                 self._ident = sampler.ident
                 # The main thread's labels are read from its context, not pushed.
@@ -619,7 +622,7 @@ class ExactBackend(WithPyroscopeSettings):
             sampler, exporters, fallback = self._sampler, self._exporters, self._fallback
             hold, memory_hold = self._hold, self._memory_hold
             self._memory_hold = None
-            self._take_span_bytes = None
+            self._take_span_cpu = self._take_span_bytes = None
             if memory_hold is not None:
                 memory_hold.close()
             memory_exporters = [exporter for _prefix, exporter in self._memory_exporters]
@@ -648,16 +651,14 @@ class ExactBackend(WithPyroscopeSettings):
 
         ``None`` when not sampling exactly (the pyroscope-io fallback has no hold).
         """
-        sampler, hold = self._sampler, self._hold
-        if sampler is None or hold is None:
+        take_cpu, hold = self._take_span_cpu, self._hold
+        if take_cpu is None or hold is None:
             return None
-        # One store for both holds (CPU and memory), and the span's bytes straight from C: the
-        # request path pays for every Python frame here (about 1,000 instructions each).
+        # One store for both holds (CPU and memory), the span's CPU and bytes straight from C:
+        # the request path pays for every Python frame here (about 1,000 instructions each).
         hold.verdicts.record(span_id, breached)
         take_bytes = self._take_span_bytes
-        return span_usage(
-            sampler.span_cpu_ns(span_id), None if take_bytes is None else take_bytes(span_id)
-        )
+        return span_usage(take_cpu(span_id, 0), None if take_bytes is None else take_bytes(span_id))
 
     def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
         """The calling thread switched labels (thread-pool job start or end, mostly)."""

@@ -30,7 +30,13 @@ def end_span(
     if span_id is None:
         return None
     usage = runtime.end_span(span_id, breached)
-    if usage is not None and span is not None and span.is_recording():
+    # Most requests have nothing to set: asked first, that spares them the SDK's Python call.
+    if (
+        usage is not None
+        and (usage.cpu_ns or usage.alloc_bytes)
+        and span is not None
+        and span.is_recording()
+    ):
         try:
             if usage.cpu_ns:
                 span.set_attribute(CPU_TIME_ATTRIBUTE, usage.cpu_ns / 1e9)

@@ -1121,6 +1121,11 @@ class Sampler:
         """The CPU booked on ``span_id``'s samples so far, forgotten from then on."""
         return self._span_ns.pop(span_id, 0)
 
+    def span_cpu_taker(self) -> Callable[[str, int], int]:
+        """``take(span_id, 0)``: ``span_cpu_ns`` as one C call (no Python frame), for the
+        request path. Good for this sampler's life: the dict it pops from is never replaced."""
+        return self._span_ns.pop
+
     def _stack_id(self, tables: StackTables, frame: FrameType | None) -> int:
         stack_key = _c_stack_key
         if stack_key is None or frame is None:
