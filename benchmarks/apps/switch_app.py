@@ -11,7 +11,8 @@ configuration's effect is measured within processes.
 
 Configurations (``CONFIGURATIONS``): ``off`` has no profiler; the others are the default
 profiler as ``SPANPROF_PROFILER`` unset configures it from this process's environment, with the
-overrides named. ``GET /stats?NAME`` answers that configuration's profiler counters.
+overrides named. Requests are traced by an SDK tracer provider without an exporter, as in the
+in-process rounds. ``GET /stats?NAME`` answers that configuration's profiler counters.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from opentelemetry.sdk.trace import TracerProvider
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -51,10 +53,15 @@ async def health(request: Request) -> Response:
 def _middlewares() -> dict[str, ProfilingMiddleware]:
     inner = Starlette(routes=[Route("/health", health)])
     base = dict(os.environ)
+    # An SDK tracer provider (no exporter), one for all: as in an app that traces, each request
+    # gets a recording span, so its labels carry the span and its end reaches the profiler.
+    # Without one, every span is the API's non-recording span, and the request path's labelled
+    # work goes unmeasured.
+    tracing = TracerProvider()
     return {
-        name: ProfilingMiddleware(inner, profiler=None, environ=base)
+        name: ProfilingMiddleware(inner, profiler=None, environ=base, tracer_provider=tracing)
         if overrides is None
-        else ProfilingMiddleware(inner, environ={**base, **overrides})
+        else ProfilingMiddleware(inner, environ={**base, **overrides}, tracer_provider=tracing)
         for name, overrides in CONFIGURATIONS.items()
     }
 
