@@ -517,9 +517,11 @@ def run(quick: bool) -> Section:
             _attribution_rows(outcomes),
         ),
         "**Throughput over HTTP.** uvicorn servers (asyncio) of `benchmarks/apps/switch_app.py`: "
-        "`GET /health`, a 2-byte `PlainTextResponse` through `ProfilingMiddleware`, with "
-        "`SPANPROF_PROFILER` unset (the default, `auto`, which runs the exact sampler with "
-        "memory sampling here, 100 Hz, 10 s uploads to a `PushReceiver`). Each server holds "
+        "`GET /health`, a 2-byte `PlainTextResponse` through `ProfilingMiddleware`, each "
+        "request traced by an SDK tracer provider without an exporter (its span labels the "
+        "request's samples, and its end reaches the profiler), with `SPANPROF_PROFILER` unset "
+        "(the default, `auto`, which runs the exact sampler with memory sampling here, 100 Hz, "
+        "10 s uploads to a `PushReceiver`). Each server holds "
         "one middleware per configuration: no profiler, the default, and the default taken "
         "apart one part at a time (the rows below), and switches between them before each "
         "round (stopping the previous configuration's profiler and starting the next's, as a "
