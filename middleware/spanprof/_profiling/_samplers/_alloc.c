@@ -1848,19 +1848,24 @@ PyDoc_STRVAR(addr2line_doc,
 "The source line of the instruction at byte offset ``lasti`` of ``code`` (its first line when\n"
 "``lasti`` is negative or has no line).");
 
+/* The source line of the instruction at byte offset `lasti` of `code`: its first line when
+ * `lasti` is negative or has no line. */
+static int
+code_line(PyCodeObject *code, int lasti)
+{
+    int line = lasti < 0 ? -1 : PyCode_Addr2Line(code, lasti);
+    return line < 0 ? code->co_firstlineno : line;
+}
+
 static PyObject *
 alloc_addr2line(PyObject *Py_UNUSED(module), PyObject *args)
 {
     PyObject *code;
-    int lasti, line;
+    int lasti;
     if (!PyArg_ParseTuple(args, "O!i:addr2line", &PyCode_Type, &code, &lasti)) {
         return NULL;
     }
-    line = lasti < 0 ? -1 : PyCode_Addr2Line((PyCodeObject *)code, lasti);
-    if (line < 0) {
-        line = ((PyCodeObject *)code)->co_firstlineno;
-    }
-    return PyLong_FromLong(line);
+    return PyLong_FromLong(code_line((PyCodeObject *)code, lasti));
 }
 
 /* The most frames stack_key() and stack_frame_ids() read (the CPU sampler's MAX_DEPTH). */
@@ -1869,12 +1874,13 @@ alloc_addr2line(PyObject *Py_UNUSED(module), PyObject *args)
 /* The stack from `frame_obj` outwards into key[]: per frame, leaf first, its code object's
  * address and its last instruction's byte offset (-1 before its first). Returns the number of
  * frames read, or -1 for a frame that has returned (3.11+: its frame object holds a copy whose
- * link to the caller is gone) or -2 on an interpreter whose frames this module cannot read.
- * No allocation, no Python call. */
+ * link to the caller is gone), or -2 with a RuntimeError naming `name` on an interpreter whose
+ * frames this module cannot read. No allocation or Python call but for that error. */
 static Py_ssize_t
-read_stack(PyObject *frame_obj, Py_ssize_t max, int64_t *key)
+read_stack(const char *name, PyObject *frame_obj, Py_ssize_t max, int64_t *key)
 {
     Py_ssize_t n = 0;
+    (void)name;  /* only the unknown layout's error names the caller */
 #if PY_VERSION_HEX < 0x030B0000
     for (PyFrameObject *frame = (PyFrameObject *)frame_obj; frame != NULL && n < max;
          frame = frame->f_back) {
@@ -1899,6 +1905,7 @@ read_stack(PyObject *frame_obj, Py_ssize_t max, int64_t *key)
     (void)frame_obj;
     (void)max;
     (void)key;
+    PyErr_Format(PyExc_RuntimeError, "%s: this CPython's frame layout is not known", name);
     return -2;
 #endif
     return n;
@@ -1944,13 +1951,12 @@ alloc_stack_key(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t n
     if (stack_arguments("stack_key", args, nargs, 2, &max) < 0) {
         return NULL;
     }
-    n = read_stack(args[0], max, key);
+    n = read_stack("stack_key", args[0], max, key);
+    if (n == -2) {
+        return NULL;
+    }
     if (n == -1) {
         Py_RETURN_NONE;
-    }
-    if (n == -2) {
-        PyErr_SetString(PyExc_RuntimeError, "stack_key: this CPython's frame layout is not known");
-        return NULL;
     }
     return PyBytes_FromStringAndSize((const char *)key, n * 2 * (Py_ssize_t)sizeof(int64_t));
 }
@@ -1978,14 +1984,12 @@ alloc_stack_frame_ids(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
         PyErr_SetString(PyExc_TypeError, "stack_frame_ids: frame_ids must be a dict");
         return NULL;
     }
-    n = read_stack(args[0], max, key);
+    n = read_stack("stack_frame_ids", args[0], max, key);
+    if (n == -2) {
+        return NULL;
+    }
     if (n == -1) {
         Py_RETURN_NONE;
-    }
-    if (n == -2) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "stack_frame_ids: this CPython's frame layout is not known");
-        return NULL;
     }
     ids = PyList_New(n);
     if (ids == NULL) {
@@ -2025,13 +2029,8 @@ alloc_stack_frame_ids(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
         }
         /* Not interned yet: hand the frame over as the caller's tables take a raw one. */
         {
-            int offset = (int)key[2 * i + 1];
-            int line = offset < 0 ? -1 : PyCode_Addr2Line((PyCodeObject *)code, offset);
-            PyObject *raw;
-            if (line < 0) {
-                line = ((PyCodeObject *)code)->co_firstlineno;
-            }
-            raw = Py_BuildValue("(OOi)", code, PyTuple_GET_ITEM(pair, 1), line);
+            int line = code_line((PyCodeObject *)code, (int)key[2 * i + 1]);
+            PyObject *raw = Py_BuildValue("(OOi)", code, PyTuple_GET_ITEM(pair, 1), line);
             Py_DECREF(pair);
             if (raw == NULL) {
                 goto error;

@@ -92,40 +92,29 @@ _c_current_frames_gc_off: Callable[[], dict[int, FrameType]] | None = (
 # What _alloc.stack_frame_ids returns for a stack: its frame ids, or (some frames not interned
 # yet) a list holding each such frame's (code, lasti, line) in its place.
 _FrameIds = tuple[int, ...] | list[int | tuple[CodeType, int, int]]
+_StackKey = Callable[[FrameType, int], bytes | None]
+_StackFrameIds = Callable[[FrameType, int, dict[tuple[int, int], int]], _FrameIds | None]
 
 
-def _find_stack_key() -> Callable[[FrameType, int], bytes | None] | None:
-    """``_alloc.stack_key`` where it reads this interpreter's frames, else ``None``."""
+def _find_stack_readers() -> tuple[_StackKey | None, _StackFrameIds | None]:
+    """``_alloc.stack_key`` and ``stack_frame_ids`` where they read this interpreter's frames
+    (both read them alike: one probe answers for both), else ``None`` for each."""
     try:
-        from ._alloc import stack_key
-    except ImportError:  # not built (or built before it existed)
-        return None
+        from . import _alloc
+    except ImportError:  # not built
+        return None, None
+    stack_key: _StackKey | None = getattr(_alloc, "stack_key", None)
+    if stack_key is None:  # built before it existed
+        return None, None
     try:
         stack_key(sys._getframe(), 1)
     except RuntimeError:  # a frame layout _alloc does not know
-        return None
-    return stack_key
+        return None, None
+    frame_ids: _StackFrameIds | None = getattr(_alloc, "stack_frame_ids", None)
+    return stack_key, frame_ids
 
 
-_c_stack_key = _find_stack_key()
-
-
-def _find_stack_frame_ids() -> (
-    Callable[[FrameType, int, dict[tuple[int, int], int]], _FrameIds | None] | None
-):
-    """``_alloc.stack_frame_ids`` where it reads this interpreter's frames, else ``None``."""
-    try:
-        from ._alloc import stack_frame_ids
-    except ImportError:  # not built (or built before it existed)
-        return None
-    try:
-        stack_frame_ids(sys._getframe(), 1, {})
-    except RuntimeError:  # a frame layout _alloc does not know
-        return None
-    return stack_frame_ids
-
-
-_c_stack_frame_ids = _find_stack_frame_ids()
+_c_stack_key, _c_stack_frame_ids = _find_stack_readers()
 
 __all__ = [
     "CLOCKS",
