@@ -354,16 +354,24 @@ def test_sampled_blocks_keep_the_interpreters_block_count() -> None:
     sys.getallocatedblocks() is the same before sampling and after, however many were sampled
     (a sampled block allocated around pymalloc would be counted freed but never allocated)."""
     warm_up()
-    small_churn(10)
-    gc.collect()
-    before = sys.getallocatedblocks()
-    with sampling(sample_bytes=1, max_samples=100_000) as sampler:
-        small_churn(50_000)
-        sampled = sampler.stats()["samples"]
-        sampler.take_window()
+
+    def sampled_round() -> tuple[float, int]:
+        gc.collect()
+        before = sys.getallocatedblocks()
+        with sampling(sample_bytes=1, max_samples=100_000) as sampler:
+            small_churn(50_000)
+            sampled = sampler.stats()["samples"]
+            sampler.take_window()
+        gc.collect()
+        return sampled, sys.getallocatedblocks() - before
+
+    # The first round grows the sampler's own tables and caches (about 1,000 blocks on 3.10 and
+    # 3.11, once); the second measures the steady state, where the bug would drift by one block a
+    # sample.
+    sampled_round()
+    sampled, drift = sampled_round()
     assert sampled >= 50_000
-    gc.collect()
-    assert abs(sys.getallocatedblocks() - before) < 1_000
+    assert abs(drift) < sampled / 20, drift
 
 
 def test_labels_are_the_allocating_tasks_while_tasks_interleave() -> None:
