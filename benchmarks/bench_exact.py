@@ -191,9 +191,13 @@ def _child(argv: list[str]) -> None:
         profiler runs for the round only)."""
         if name != "exact":
             return (*loop.run_until_complete(drive(name, args.size)), None)
-        # Started before the clock (a request would start it on its way in).
+        # Started before the clock (a request would start it on its way in), and run through
+        # as many requests again before it: a fresh profiler's first ticks and allocation
+        # samples intern every stack they meet (a key-cache miss, a Python walk, each), which a
+        # long-running server pays once and a round of a tenth of a second would pay whole.
         runtime.start()
         try:
+            loop.run_until_complete(drive(name, args.size))
             cpu, wall = loop.run_until_complete(drive(name, args.size))
             return cpu, wall, backend.stats()
         finally:
@@ -280,9 +284,19 @@ HTTP_VARIANTS = {
     "engine and the upload thread, with almost no ticks",
 }
 
-#: Seconds each round loads every server: a little over one default upload interval, so that
-#: each profiled server's first upload (10 s after its start) falls within the round.
+#: Seconds each round loads every server after the switch has settled: a little over one
+#: default upload interval, so that one steady upload (20 s after the profiler's start) falls
+#: within the round.
 HTTP_ROUND_SECONDS = 10.5
+
+#: Seconds every server is loaded after each switch before the round's clocks are read: a
+#: profiler's start-up (its first ticks and allocation samples intern every stack, its first
+#: upload writes every string and location anew: about 15 to 20 ms of a server's CPU over the
+#: default's first 10 s, measured on one server with a core of its own) and the previous
+#: configuration's leftovers (its garbage, its stop) fall here. A long-running server pays
+#: them once; a round that began at the switch paid them every round, about 1% of the 2 s of
+#: CPU a server gets in a round here.
+HTTP_SETTLE_SECONDS = 10.5
 
 
 def _schedule(rounds: int) -> list[list[str]]:
@@ -311,12 +325,13 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
 
     ``SERVERS`` uvicorn processes serve ``benchmarks/apps/switch_app.py``; before each round,
     each switches to its configuration of the round (``_schedule``): its previous profiler
-    stops, the new one starts. Then all are loaded at once for ``seconds``, so a profiler
-    thread's periodic work (drains every 0.25 s, the upload 10 s after start) is paid out of
-    load, as on a busy server. A CPU-bound server's throughput is the inverse of its CPU per
-    response. Fresh processes differ by several percent in it (memory layout, hash seeds), so
-    a configuration's ratio in a round compares the servers running it with those running no
-    profiler, each corrected by its server's effect over the whole run (``_server_effects``).
+    stops, the new one starts. All are loaded for ``HTTP_SETTLE_SECONDS`` (the new profiler's
+    start-up, unmeasured), then at once for ``seconds``, so a profiler thread's periodic work
+    (drains every 0.25 s, an upload every 10 s) is paid out of load, as on a busy server. A
+    CPU-bound server's throughput is the inverse of its CPU per response. Fresh processes
+    differ by several percent in it (memory layout, hash seeds), so a configuration's ratio
+    in a round compares the servers running it with those running no profiler, each corrected
+    by its server's effect over the whole run (``_server_effects``).
     """
     names = list(CONFIGURATIONS)
     if SERVERS % len(names) or rounds % len(names):
@@ -366,6 +381,7 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
             running: dict[str, dict[str, Any]] = {}
             for t in range(rounds):
                 switch(schedule[t])
+                load(ports, seconds=HTTP_SETTLE_SECONDS)
                 defaults = [s for s, name in enumerate(schedule[t]) if name == "exact"]
                 before_stats = {s: stats(ports[s], "exact") for s in defaults}
                 threads = [_threads_cpu_ns(pid) for pid in pids]
@@ -526,8 +542,13 @@ def run(quick: bool) -> Section:
         "apart one part at a time (the rows below), and switches between them before each "
         "round (stopping the previous configuration's profiler and starting the next's, as a "
         f"server starting up would). {SERVERS} servers, {http_rounds} rounds of "
-        f"{HTTP_ROUND_SECONDS:g} s (the first upload, 10 s after the start, falls in the round) "
-        "after a warm-up through every configuration; in each round every configuration runs "
+        f"{HTTP_ROUND_SECONDS:g} s after a warm-up through every configuration; each round's "
+        f"clocks are read after {HTTP_SETTLE_SECONDS:g} s of load since its switch, so that the "
+        "profiler runs in its steady state, as on a long-running server: its start-up (the "
+        "first ticks and allocation samples intern every stack, the first upload, 10 s after "
+        "the start, writes every string and location anew) and the previous configuration's "
+        "leftovers fall before the round, and one steady upload, 20 s after the start, within "
+        "it. In each round every configuration runs "
         f"on {SERVERS // len(CONFIGURATIONS)} servers, and each server runs every configuration "
         "in turn (a Latin square, repeated). A raw-socket client loads all servers at once (8 "
         "keep-alive connections each), so each is busy all round and its profiler's periodic "
@@ -593,8 +614,11 @@ def run(quick: bool) -> Section:
         "each span's end (the SLO hold's verdict; `spanprof.cpu_time_s` back on the span when a "
         "sample landed in it). "
         f"{rounds} interleaved rounds of {size} requests, the profiler started before the "
-        "round's clock and stopped after it (100 Hz; its default 10 s uploads to a receiver in "
-        f"the parent, so each round's stop flushes one: {pushes} uploads received). "
+        f"round's clock and run through {size} unclocked requests first (its start-up: a fresh "
+        "profiler's first ticks and allocation samples intern every stack they meet, which a "
+        "long-running server pays once), and stopped after it (100 Hz; its default 10 s "
+        "uploads to a receiver in the parent, so each round's stop flushes one: "
+        f"{pushes} uploads received). "
         "Throughput ratio = per-request time without / with, "
         "median of per-round ratios (CPU: the driving thread's CPU time, which includes the "
         "signal handler; wall: includes the upload thread's GIL time). The label engine is "
