@@ -186,10 +186,10 @@ def test_a_tick_walks_the_other_threads_only_once_they_used_cpu(sampler: Sampler
     tenth_tick = threading.Event()
     others_ran = sampler._others_ran
 
-    def ticking(main_now: int) -> bool:
+    def ticking(main_now: int, process_now: int) -> bool:
         if sampler.ticks % 10 == 0:
             tenth_tick.set()
-        return others_ran(main_now)
+        return others_ran(main_now, process_now)
 
     sampler._others_ran = ticking  # type: ignore[method-assign]
     stop = threading.Event()

@@ -846,10 +846,14 @@ class Sampler:
             _quiet_wakeup_fd()
         started = time.perf_counter_ns()
         cpu_started = time.thread_time_ns()
+        # The process's CPU clock, read once a tick: on Linux it is a system call (about 1 µs
+        # here, where the thread's clock is the other one), and both the walk check and the
+        # re-arm below need it.
+        process_started = 0 if self._wall else time.clock_gettime_ns(CLOCK_PROCESS_CPUTIME_ID)
         # The collector is left alone (it is the application's; see the module docstring):
         # only sys._current_frames() needs it off, on CPython < 3.12 (see _current_frames).
         try:
-            self._tick(frame, cpu_started)
+            self._tick(frame, cpu_started, process_started)
         except Exception as exc:  # the accounting below still runs
             self.errors += 1
             self.last_error = exc
@@ -872,16 +876,23 @@ class Sampler:
                 # steps) and keep sampling the same few phases of it: draw each next interval.
                 # Less the time this tick waited for its handler (the main thread waits for the
                 # GIL when a busy thread holds it), so that waiting does not lower the rate.
-                now = time.clock_gettime_ns(self._clock_id)
+                # On the CPU clock, now is the process's clock at the start plus this handler's
+                # own CPU: other threads' CPU meanwhile is left out, and the next tick's
+                # lateness takes it back.
+                now = (
+                    time.clock_gettime_ns(self._clock_id)
+                    if self._wall
+                    else process_started + cpu_ended - cpu_started
+                )
                 late = max(0, now - self._due_at)
                 value = max(
                     self._min_arm_ns,
-                    round(self._interval_ns * self._random.uniform(0.5, 1.5)) - late,
+                    round(self._interval_ns * (0.5 + self._random.random())) - late,
                 )
                 self._due_at = now + value
                 directed.arm(value / 1e9, self.interval)
 
-    def _tick(self, frame: FrameType | None, cpu_now: int) -> None:
+    def _tick(self, frame: FrameType | None, cpu_now: int, process_now: int) -> None:
         self.ticks += 1
         tick = self.ticks
         window = self._window
@@ -889,7 +900,7 @@ class Sampler:
         wall = self._wall
         now = time.perf_counter_ns() if wall else cpu_now
         others = self._drain_boundaries(window) if self._boundaries else 0
-        if wall or self._others_ran(cpu_now):
+        if wall or self._others_ran(cpu_now, process_now):
             others += self._sample_threads(window, tick, now)
         # The main thread: its own frame and the labels of the context it is running.
         delta = now - self._main_last
@@ -928,9 +939,8 @@ class Sampler:
         self._add(window, sid, labels, delta)
         return (sid, labels, window.tables, tick)
 
-    def _others_ran(self, main_now: int) -> bool:
+    def _others_ran(self, main_now: int, process_now: int) -> bool:
         """Whether threads other than the main one used CPU worth a walk since the last walk."""
-        process_now = time.clock_gettime_ns(CLOCK_PROCESS_CPUTIME_ID)
         others = (process_now - self._process_at_walk) - (main_now - self._main_at_walk)
         if others < _OTHERS_QUIET_NS:
             return False
