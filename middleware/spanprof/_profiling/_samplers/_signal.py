@@ -847,8 +847,8 @@ class Sampler:
         started = time.perf_counter_ns()
         cpu_started = time.thread_time_ns()
         # The process's CPU clock, read once a tick: on Linux it is a system call (about 1 µs
-        # here, where the thread's clock is the other one), and both the walk check and the
-        # re-arm below need it.
+        # here, as the thread's clock above is), and both the walk check and the re-arm below
+        # need it.
         process_started = 0 if self._wall else time.clock_gettime_ns(CLOCK_PROCESS_CPUTIME_ID)
         # The collector is left alone (it is the application's; see the module docstring):
         # only sys._current_frames() needs it off, on CPython < 3.12 (see _current_frames).
