@@ -29,6 +29,7 @@ from . import (
     bench_mechanisms,
     bench_memory,
     bench_otlp,
+    bench_pairs,
     bench_request,
     bench_servers,
 )
@@ -43,6 +44,7 @@ BENCHMARKS: dict[str, Callable[[bool], Section]] = {
     "exemplar": bench_exemplar.run,
     "faults": bench_faults.run,
     "exact": bench_exact.run,
+    "pairs": bench_pairs.run,
     "breakdown": bench_breakdown.run,
     "hold": bench_hold.run,
     "otlp": bench_otlp.run,
