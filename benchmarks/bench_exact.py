@@ -45,7 +45,11 @@ __all__ = [
     "HTTP_VARIANTS",
     "THROUGHPUT_BUDGET",
     "main",
+    "process_cpu_ns",
+    "profiler_stats",
     "run",
+    "start_switch_apps",
+    "switch_to",
 ]
 
 CONCURRENCY = 16
@@ -230,7 +234,7 @@ def _cost(rounds: int, size: int) -> tuple[dict[str, list[float]], list[dict[str
 # --- throughput over HTTP ------------------------------------------------------------------------
 
 
-def _process_cpu_ns(pid: int) -> int:
+def process_cpu_ns(pid: int) -> int:
     """CPU time of every thread of process ``pid`` so far (Linux schedstat, nanoseconds)."""
     return sum(_threads_cpu_ns(pid))
 
@@ -246,6 +250,39 @@ def _threads_cpu_ns(pid: int) -> tuple[int, int]:
             else:
                 others += used
     return main, others
+
+
+def start_switch_apps(
+    stack: contextlib.ExitStack, count: int, env: dict[str, str], log_prefix: Path
+) -> tuple[list[int], list[int]]:
+    """Start ``count`` uvicorn servers of ``benchmarks/apps/switch_app.py`` (asyncio), each
+    stopped when ``stack`` closes, logging to ``{log_prefix}-{i}.log``: their ports and pids."""
+    ports = [free_port() for _ in range(count)]
+    pids = [
+        stack.enter_context(
+            serve(
+                uvicorn_argv("benchmarks.apps.switch_app:app", port, "asyncio"),
+                health_url=f"http://127.0.0.1:{port}/health",
+                env=env,
+                log_path=log_prefix.with_name(f"{log_prefix.name}-{i}.log"),
+            )
+        ).pid
+        for i, port in enumerate(ports)
+    ]
+    return ports, pids
+
+
+def switch_to(port: int, name: str) -> None:
+    """Route the switch app on ``port`` through configuration ``name`` from now on."""
+    httpx.get(f"http://127.0.0.1:{port}/switch?{name}", timeout=60).raise_for_status()
+
+
+def profiler_stats(port: int, name: str) -> dict[str, Any]:
+    """The counters of configuration ``name``'s profiler in the switch app on ``port``."""
+    answer = httpx.get(f"http://127.0.0.1:{port}/stats?{name}", timeout=60)
+    answer.raise_for_status()
+    found: dict[str, Any] = answer.json()
+    return found
 
 
 @dataclass(frozen=True)
@@ -344,31 +381,12 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
             "PYROSCOPE_APPLICATION_NAME": "bench-exact-http",
             "PYROSCOPE_SERVER_ADDRESS": receiver.url,
         }
-        ports = [free_port() for _ in range(SERVERS)]
         with contextlib.ExitStack() as stack:
-            pids = [
-                stack.enter_context(
-                    serve(
-                        uvicorn_argv("benchmarks.apps.switch_app:app", port, "asyncio"),
-                        health_url=f"http://127.0.0.1:{port}/health",
-                        env=env,
-                        log_path=workdir / f"http-{i}.log",
-                    )
-                ).pid
-                for i, port in enumerate(ports)
-            ]
+            ports, pids = start_switch_apps(stack, SERVERS, env, workdir / "http")
 
             def switch(round_names: list[str]) -> None:
                 for port, name in zip(ports, round_names, strict=True):
-                    httpx.get(
-                        f"http://127.0.0.1:{port}/switch?{name}", timeout=60
-                    ).raise_for_status()
-
-            def stats(port: int, name: str) -> dict[str, Any]:
-                answer = httpx.get(f"http://127.0.0.1:{port}/stats?{name}", timeout=60)
-                answer.raise_for_status()
-                found: dict[str, Any] = answer.json()
-                return found
+                    switch_to(port, name)
 
             # Warm-up: every server through every configuration once.
             for t in range(len(names)):
@@ -383,7 +401,7 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
                 switch(schedule[t])
                 load(ports, seconds=HTTP_SETTLE_SECONDS)
                 defaults = [s for s, name in enumerate(schedule[t]) if name == "exact"]
-                before_stats = {s: stats(ports[s], "exact") for s in defaults}
+                before_stats = {s: profiler_stats(ports[s], "exact") for s in defaults}
                 threads = [_threads_cpu_ns(pid) for pid in pids]
                 by_port = load(ports, seconds=seconds)
                 after = [_threads_cpu_ns(pid) for pid in pids]
@@ -393,9 +411,9 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
                 )
                 served.append([float(c) for c in counts])
                 for name in set(schedule[t]) - {"off"}:
-                    running[name] = stats(ports[schedule[t].index(name)], name)
+                    running[name] = profiler_stats(ports[schedule[t].index(name)], name)
                 for s in defaults:
-                    now = stats(ports[s], "exact")
+                    now = profiler_stats(ports[s], "exact")
                     spent_ns += round(
                         sum(
                             (float(now[k]) - float(before_stats[s][k])) * 1e6
@@ -408,7 +426,7 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
                     last_stats = now
             switch(["off"] * SERVERS)
             # Stopped, each has flushed its last upload.
-            stopped = {name: stats(ports[0], name) for name in running}
+            stopped = {name: profiler_stats(ports[0], name) for name in running}
         if receiver.errors:
             raise RuntimeError(f"the receiver rejected uploads: {receiver.errors[:3]}")
     for name, found in running.items():

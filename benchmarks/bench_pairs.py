@@ -23,14 +23,18 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-from tests.e2e.server import free_port, serve, uvicorn_argv
-
 from spanprof._local._receiver import PushReceiver
 
 from ._load import load
 from ._report import Section, Spread, Verdict, markdown_table
-from .bench_exact import HTTP_VARIANTS, THROUGHPUT_BUDGET
+from .bench_exact import (
+    HTTP_VARIANTS,
+    THROUGHPUT_BUDGET,
+    process_cpu_ns,
+    profiler_stats,
+    start_switch_apps,
+    switch_to,
+)
 
 __all__ = ["STEPS", "run"]
 
@@ -59,15 +63,6 @@ _PARTS = {
 SETTLE_SECONDS = 3.0
 
 
-def _cpu_ns(pid: int) -> int:
-    """CPU time so far of every thread of process ``pid``."""
-    used = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread that just exited
-            used += int((task / "schedstat").read_text().split()[0])
-    return used
-
-
 def _pin(pid: int, core: int) -> None:
     """Every thread of ``pid`` onto ``core`` (threads started later inherit it)."""
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -91,32 +86,27 @@ def _step(
 ) -> list[float]:
     """Per pair of rounds: the baseline's CPU per response over the variant's, servers
     swapped between the two rounds of a pair."""
-
-    def switch(port: int, name: str) -> None:
-        httpx.get(f"http://127.0.0.1:{port}/switch?{name}", timeout=60).raise_for_status()
-
     ratios: list[float] = []
     names = (base, variant)
     for t in range(rounds):
         names = (base, variant) if t % 2 == 0 else (variant, base)
         for port, name in zip(ports, names, strict=True):
-            switch(port, name)
+            switch_to(port, name)
         load(ports, seconds=SETTLE_SECONDS)
-        before = [_cpu_ns(pid) for pid in pids]
+        before = [process_cpu_ns(pid) for pid in pids]
         served = load(ports, seconds=seconds)
-        after = [_cpu_ns(pid) for pid in pids]
+        after = [process_cpu_ns(pid) for pid in pids]
         per = [(after[s] - before[s]) / served[ports[s]] for s in range(2)]
         # Server 0 runs the baseline in even rounds, the variant in odd ones.
         ratios.append(per[0] / per[1] if t % 2 == 0 else per[1] / per[0])
     # Each server still runs its configuration of the last round: a profiler's must be exact.
     for port, name in zip(ports, names, strict=True):
         if name != "off":
-            answer = httpx.get(f"http://127.0.0.1:{port}/stats?{name}", timeout=60)
-            answer.raise_for_status()
-            if answer.json().get("mode") != "exact":
-                raise RuntimeError(f"the exact profiler did not run ({name}): {answer.json()!r}")
+            found = profiler_stats(port, name)
+            if found.get("mode") != "exact":
+                raise RuntimeError(f"the exact profiler did not run ({name}): {found!r}")
     for port in ports:
-        switch(port, "off")
+        switch_to(port, "off")
     return [math.sqrt(ratios[i] * ratios[i + 1]) for i in range(0, rounds - 1, 2)]
 
 
@@ -131,19 +121,8 @@ def _measure(rounds: int, seconds: float, workdir: Path) -> dict[tuple[str, str]
             "PYROSCOPE_APPLICATION_NAME": "bench-pairs",
             "PYROSCOPE_SERVER_ADDRESS": receiver.url,
         }
-        ports = [free_port() for _ in range(2)]
         with contextlib.ExitStack() as stack:
-            pids = [
-                stack.enter_context(
-                    serve(
-                        uvicorn_argv("benchmarks.apps.switch_app:app", port, "asyncio"),
-                        health_url=f"http://127.0.0.1:{port}/health",
-                        env=env,
-                        log_path=workdir / f"pairs-{i}.log",
-                    )
-                ).pid
-                for i, port in enumerate(ports)
-            ]
+            ports, pids = start_switch_apps(stack, 2, env, workdir / "pairs")
             for pid in pids:
                 _pin(pid, server_core)
             with _pinned_here(client_core):
