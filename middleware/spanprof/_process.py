@@ -11,32 +11,34 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["current_pid"]
+__all__ = ["cached_pid", "current_pid"]
 
-_pid = 0  # 0: not read yet in this process
+#: This process's id once ``current_pid`` has read it, else 0. The hottest caller reads it in
+#: place (``cached_pid or current_pid()``), a module attribute instead of a Python frame.
+cached_pid = 0
 _registered = False
 
 
 def current_pid() -> int:
     """``os.getpid()``, cached across calls and refreshed after each fork."""
-    pid = _pid
+    pid = cached_pid
     if pid:
         return pid
     return _first_read()
 
 
 def _first_read() -> int:
-    global _pid, _registered
+    global cached_pid, _registered
     # No lock: a fork while a thread held it would leave the child's first read waiting for
     # good. Two threads racing here register the handler twice, which is harmless.
     if not _registered:
         # Registered on first use rather than at import: importing spanprof changes nothing.
         os.register_at_fork(after_in_child=_forked)
         _registered = True
-    _pid = os.getpid()
-    return _pid
+    cached_pid = os.getpid()
+    return cached_pid
 
 
 def _forked() -> None:
-    global _pid
-    _pid = os.getpid()
+    global cached_pid
+    cached_pid = os.getpid()

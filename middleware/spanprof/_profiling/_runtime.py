@@ -9,6 +9,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 
+from .. import _process
 from .._labels._backend import EndsSpans, PreparesInMainThread, ProfilerBackend, SpanUsage
 from .._labels._engine import (
     Mechanism,
@@ -61,8 +62,11 @@ class ProfilerRuntime:
         self.shutdown_timeout = shutdown_timeout
         self._lock = threading.Lock()
         self._pid: int | None = None
-        # Looked up once: the request path calls it on every request.
-        self._end_span = backend.end_span if isinstance(backend, EndsSpans) else None
+        #: The backend's ``end_span`` (``EndsSpans``), looked up once, or ``None``: the request
+        #: path calls it itself (``_web._usage.end_span``), one frame less than ``end_span``.
+        self.span_ender: Callable[[str, bool | None], SpanUsage | None] | None = (
+            backend.end_span if isinstance(backend, EndsSpans) else None
+        )
 
     @property
     def started(self) -> bool:
@@ -71,7 +75,9 @@ class ProfilerRuntime:
 
     def ensure_started(self) -> None:
         """Start if this process has not started yet; cheap when it has."""
-        if self.backend is not None and self._pid != current_pid():
+        # current_pid() read in place (its cache, else the call): the request path calls this
+        # on every request, and a Python frame costs it about 1,000 instructions.
+        if self.backend is not None and self._pid != (_process.cached_pid or current_pid()):
             self.start()
 
     def prepare(self) -> None:
@@ -131,18 +137,22 @@ class ProfilerRuntime:
 
     def end_span(self, span_id: str, breached: bool | None) -> SpanUsage | None:
         """Tell the backend a request's span ends (see ``EndsSpans``); never raises."""
-        end = self._end_span
+        end = self.span_ender
         if end is None:
             return None
         try:
             return end(span_id, breached)
         except Exception:
-            log_once(
-                f"backend-end-span-{id(self.backend)}",
-                "spanprof: the profiler failed to take a request's SLO verdict; its samples go "
-                "out without the slo label (logged once)",
-            )
+            self.end_span_failed()
             return None
+
+    def end_span_failed(self) -> None:
+        """Log (once) that the backend's ``end_span`` raised."""
+        log_once(
+            f"backend-end-span-{id(self.backend)}",
+            "spanprof: the profiler failed to take a request's SLO verdict; its samples go "
+            "out without the slo label (logged once)",
+        )
 
     def stop(self) -> None:
         """Uninstall the engine (if it feeds this backend) and flush the backend."""
