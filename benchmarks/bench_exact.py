@@ -50,6 +50,7 @@ __all__ = [
     "run",
     "start_switch_apps",
     "switch_to",
+    "threads_cpu_ns",
 ]
 
 CONCURRENCY = 16
@@ -236,10 +237,10 @@ def _cost(rounds: int, size: int) -> tuple[dict[str, list[float]], list[dict[str
 
 def process_cpu_ns(pid: int) -> int:
     """CPU time of every thread of process ``pid`` so far (Linux schedstat, nanoseconds)."""
-    return sum(_threads_cpu_ns(pid))
+    return sum(threads_cpu_ns(pid))
 
 
-def _threads_cpu_ns(pid: int) -> tuple[int, int]:
+def threads_cpu_ns(pid: int) -> tuple[int, int]:
     """CPU time so far of process ``pid``'s main thread, and of its other threads together."""
     main = others = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -402,9 +403,9 @@ def _throughput(rounds: int, seconds: float, workdir: Path) -> HttpRun:
                 load(ports, seconds=HTTP_SETTLE_SECONDS)
                 defaults = [s for s, name in enumerate(schedule[t]) if name == "exact"]
                 before_stats = {s: profiler_stats(ports[s], "exact") for s in defaults}
-                threads = [_threads_cpu_ns(pid) for pid in pids]
+                threads = [threads_cpu_ns(pid) for pid in pids]
                 by_port = load(ports, seconds=seconds)
-                after = [_threads_cpu_ns(pid) for pid in pids]
+                after = [threads_cpu_ns(pid) for pid in pids]
                 counts = [by_port[port] for port in ports]
                 cpu_us.append(
                     [(sum(after[s]) - sum(threads[s])) / counts[s] / 1e3 for s in range(SERVERS)]

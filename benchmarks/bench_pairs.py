@@ -8,9 +8,11 @@ alike, and each round's ratio compares them in the same seconds. They swap confi
 round: the geometric mean of two consecutive rounds' ratios cancels the two processes' own
 speeds (memory layout, hash seeds), which fresh processes of one configuration differ by.
 
-Each step compares two configurations that differ by one part (``STEPS``), from no profiler to
-the default, then no profiler against the default directly, and no profiler against itself (the
-A/A control: what the design reads when nothing differs).
+Each step compares two configurations that differ by one part (``PARTS``), from no profiler to
+the default; then the allocation samples at a 16th of the default rate and at 16 times it
+(``RATES``), no profiler against the default directly (``WHOLE``), and no profiler against itself
+(``CONTROL``, the A/A control: what the design reads when nothing differs). Each ratio is read
+for every thread and for the main thread alone.
 """
 
 from __future__ import annotations
@@ -30,33 +32,47 @@ from ._report import Section, Spread, Verdict, markdown_table
 from .bench_exact import (
     HTTP_VARIANTS,
     THROUGHPUT_BUDGET,
-    process_cpu_ns,
     profiler_stats,
     start_switch_apps,
     switch_to,
+    threads_cpu_ns,
 )
 
-__all__ = ["STEPS", "run"]
+__all__ = ["CONTROL", "PARTS", "RATES", "STEPS", "WHOLE", "run"]
 
-#: (baseline, variant): each step adds one part; the last two are the whole and the control.
-STEPS = (
+#: (baseline, variant): each step adds one part of the default, from no profiler to the default.
+PARTS = (
     ("off", "nomem_1hz"),
     ("nomem_1hz", "nomem"),
     ("nomem", "hooks"),
     ("hooks", "exact"),
-    ("off", "exact"),
-    ("off", "off"),
 )
+#: The allocation samples' cost at other rates: 16 times rarer (against the hooks alone), and
+#: 16 times more often (against the default).
+RATES = (
+    ("hooks", "mem_8m"),
+    ("exact", "mem_32k"),
+)
+WHOLE = ("off", "exact")
+CONTROL = ("off", "off")
+STEPS = (*PARTS, *RATES, WHOLE, CONTROL)
 
-_NAMES = {"off": "no profiler", **HTTP_VARIANTS}
+_NAMES = {
+    "off": "no profiler",
+    **HTTP_VARIANTS,
+    "mem_8m": "the default sampling allocations once per 8 MiB (`SPANPROF_ALLOC_SAMPLE_BYTES`)",
+    "mem_32k": "the default sampling allocations once per 32 KiB",
+}
 
-_PARTS = {
+_STEP_NAMES = {
     ("off", "nomem_1hz"): "the request path, the label engine and the upload thread",
     ("nomem_1hz", "nomem"): "the ticks at the default 100 Hz",
     ("nomem", "hooks"): "the allocation hooks (never sampling)",
     ("hooks", "exact"): "the allocation samples at the default one per 512 KiB",
-    ("off", "exact"): "the default profiler, whole",
-    ("off", "off"): "nothing: the A/A control",
+    ("hooks", "mem_8m"): "the allocation samples at one per 8 MiB (1/16 of the default's)",
+    ("exact", "mem_32k"): "allocation samples 16 times as often as the default's (one per 32 KiB)",
+    WHOLE: "the default profiler, whole",
+    CONTROL: "nothing: the A/A control",
 }
 
 #: Seconds each round loads both servers after their switch before its clocks are read.
@@ -83,22 +99,25 @@ def _pinned_here(core: int) -> Iterator[None]:
 
 def _step(
     ports: list[int], pids: list[int], base: str, variant: str, rounds: int, seconds: float
-) -> list[float]:
+) -> tuple[list[float], list[float]]:
     """Per pair of rounds: the baseline's CPU per response over the variant's, servers
-    swapped between the two rounds of a pair."""
+    swapped between the two rounds of a pair; every thread's, and the main thread's alone."""
     ratios: list[float] = []
+    main_ratios: list[float] = []
     names = (base, variant)
     for t in range(rounds):
         names = (base, variant) if t % 2 == 0 else (variant, base)
         for port, name in zip(ports, names, strict=True):
             switch_to(port, name)
         load(ports, seconds=SETTLE_SECONDS)
-        before = [process_cpu_ns(pid) for pid in pids]
+        before = [threads_cpu_ns(pid) for pid in pids]
         served = load(ports, seconds=seconds)
-        after = [process_cpu_ns(pid) for pid in pids]
-        per = [(after[s] - before[s]) / served[ports[s]] for s in range(2)]
+        after = [threads_cpu_ns(pid) for pid in pids]
+        per = [(sum(after[s]) - sum(before[s])) / served[ports[s]] for s in range(2)]
+        main = [(after[s][0] - before[s][0]) / served[ports[s]] for s in range(2)]
         # Server 0 runs the baseline in even rounds, the variant in odd ones.
         ratios.append(per[0] / per[1] if t % 2 == 0 else per[1] / per[0])
+        main_ratios.append(main[0] / main[1] if t % 2 == 0 else main[1] / main[0])
     # Each server still runs its configuration of the last round: a profiler's must be exact.
     for port, name in zip(ports, names, strict=True):
         if name != "off":
@@ -107,15 +126,23 @@ def _step(
                 raise RuntimeError(f"the exact profiler did not run ({name}): {found!r}")
     for port in ports:
         switch_to(port, "off")
-    return [math.sqrt(ratios[i] * ratios[i + 1]) for i in range(0, rounds - 1, 2)]
+    return _paired(ratios), _paired(main_ratios)
 
 
-def _measure(rounds: int, seconds: float, workdir: Path) -> dict[tuple[str, str], list[float]]:
+def _paired(ratios: list[float]) -> list[float]:
+    """The geometric mean of each two consecutive rounds' ratios (servers swapped between)."""
+    return [math.sqrt(ratios[i] * ratios[i + 1]) for i in range(0, len(ratios) - 1, 2)]
+
+
+_Found = dict[tuple[str, str], tuple[list[float], list[float]]]
+
+
+def _measure(rounds: int, seconds: float, workdir: Path) -> _Found:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise RuntimeError("the paired HTTP run needs two cores: one for the servers, one to load")
     server_core, client_core = cores[-1], cores[0]
-    found: dict[tuple[str, str], list[float]] = {}
+    found: _Found = {}
     with PushReceiver() as receiver:
         env = {
             "PYROSCOPE_APPLICATION_NAME": "bench-pairs",
@@ -140,9 +167,10 @@ def run(quick: bool) -> Section:
     rounds, seconds = (4, 2.0) if quick else (12, 4.0)
     with tempfile.TemporaryDirectory() as tmp:
         found = _measure(rounds, seconds, Path(tmp))
-    spreads = {step: Spread.of(pairs) for step, pairs in found.items()}
-    whole = spreads[("off", "exact")]
-    control = spreads[("off", "off")]
+    spreads = {step: Spread.of(pairs) for step, (pairs, _) in found.items()}
+    mains = {step: Spread.of(pairs) for step, (_, pairs) in found.items()}
+    whole = spreads[WHOLE]
+    control = spreads[CONTROL]
     section = Section("pairs", "The default's HTTP cost, part by part (same-core pairs)")
     section.body += [
         "Two uvicorn servers of `benchmarks/apps/switch_app.py` (asyncio, a 2-byte "
@@ -153,24 +181,30 @@ def run(quick: bool) -> Section:
         "round's ratio is the baseline server's CPU per response (every thread, "
         "`/proc/PID/task/*/schedstat`) over the variant's, in the same seconds; each pair of "
         "rounds gives the geometric mean of its two ratios, in which the two processes' own "
-        "speeds cancel. The table gives the median pair and its spread. Both servers share a "
-        "core, as the exact section's ten servers share two; what the machine's neighbours do "
-        "slows both alike.",
+        "speeds cancel. The table gives the median pair and its spread, for every thread and "
+        "for the main thread alone (where requests, ticks and allocation hooks run; the "
+        "difference is the profiler's own threads: uploads and the allocation drain). Both "
+        "servers share a core, as the exact section's ten servers share two; what the "
+        "machine's neighbours do slows both alike.",
         markdown_table(
-            ["step", "baseline", "variant", "x baseline", "points"],
+            ["step", "baseline", "variant", "x baseline", "points", "main thread x baseline"],
             [
                 [
-                    _PARTS[step],
+                    _STEP_NAMES[step],
                     _NAMES[step[0]],
                     _NAMES[step[1]],
                     spreads[step].format(3),
                     f"{100 * (1 - spreads[step].median):+.1f}",
+                    mains[step].format(3),
                 ]
                 for step in STEPS
             ],
         ),
-        f"The four parts add up to {100 * sum(1 - spreads[s].median for s in STEPS[:4]):.1f} "
-        f"points; the default measured whole, {100 * (1 - whole.median):.1f}.",
+        f"The four parts add up to {100 * sum(1 - spreads[s].median for s in PARTS):.1f} "
+        f"points; the default measured whole, {100 * (1 - whole.median):.1f}. Allocation "
+        f"samples 16 times rarer cost {100 * (1 - spreads[RATES[0]].median):.1f} points over "
+        f"the hooks; 16 times as many, {100 * (1 - spreads[RATES[1]].median):.1f} over the "
+        "default.",
     ]
     section.verdicts.append(
         Verdict(

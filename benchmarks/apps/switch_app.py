@@ -9,10 +9,11 @@ it stops the profiler the previous one started and starts that one's, as a serve
 would. The benchmark gives each server each configuration in turn (``bench_exact``), so that a
 configuration's effect is measured within processes.
 
-Configurations (``CONFIGURATIONS``): ``off`` has no profiler; the others are the default
-profiler as ``SPANPROF_PROFILER`` unset configures it from this process's environment, with the
-overrides named. Requests are traced by an SDK tracer provider without an exporter, as in the
-in-process rounds. ``GET /stats?NAME`` answers that configuration's profiler counters.
+Configurations (``CONFIGURATIONS``, and ``RATE_CONFIGURATIONS`` for the pairs section): ``off``
+has no profiler; the others are the default profiler as ``SPANPROF_PROFILER`` unset configures
+it from this process's environment, with the overrides named. Requests are traced by an SDK
+tracer provider without an exporter, as in the in-process rounds. ``GET /stats?NAME`` answers
+that configuration's profiler counters.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from starlette.types import Receive, Scope, Send
 
 from spanprof import ProfilingMiddleware
 
-__all__ = ["CONFIGURATIONS", "NEVER_SAMPLE_BYTES", "app"]
+__all__ = ["CONFIGURATIONS", "NEVER_SAMPLE_BYTES", "RATE_CONFIGURATIONS", "app"]
 
 #: The largest mean gap between allocation samples: the hooks run, and almost never sample.
 NEVER_SAMPLE_BYTES = 1 << 40
@@ -43,6 +44,13 @@ CONFIGURATIONS: Mapping[str, Mapping[str, str] | None] = {
     "hooks": {"SPANPROF_ALLOC_SAMPLE_BYTES": str(NEVER_SAMPLE_BYTES)},
     "nomem": {"SPANPROF_MEMORY": "false"},
     "nomem_1hz": {"SPANPROF_MEMORY": "false", "PYROSCOPE_SAMPLE_RATE": "1"},
+}
+
+#: Configurations the pairs section also switches to, outside the exact section's rounds: the
+#: default with allocation samples 16 times rarer and 16 times more often.
+RATE_CONFIGURATIONS: Mapping[str, Mapping[str, str]] = {
+    "mem_8m": {"SPANPROF_ALLOC_SAMPLE_BYTES": str(8 << 20)},
+    "mem_32k": {"SPANPROF_ALLOC_SAMPLE_BYTES": str(32 << 10)},
 }
 
 
@@ -62,7 +70,7 @@ def _middlewares() -> dict[str, ProfilingMiddleware]:
         name: ProfilingMiddleware(inner, profiler=None, environ=base, tracer_provider=tracing)
         if overrides is None
         else ProfilingMiddleware(inner, environ={**base, **overrides}, tracer_provider=tracing)
-        for name, overrides in CONFIGURATIONS.items()
+        for name, overrides in {**CONFIGURATIONS, **RATE_CONFIGURATIONS}.items()
     }
 
 
