@@ -45,7 +45,6 @@ __all__ = [
     "HTTP_VARIANTS",
     "THROUGHPUT_BUDGET",
     "main",
-    "process_cpu_ns",
     "profiler_stats",
     "run",
     "start_switch_apps",
@@ -233,11 +232,6 @@ def _cost(rounds: int, size: int) -> tuple[dict[str, list[float]], list[dict[str
 
 
 # --- throughput over HTTP ------------------------------------------------------------------------
-
-
-def process_cpu_ns(pid: int) -> int:
-    """CPU time of every thread of process ``pid`` so far (Linux schedstat, nanoseconds)."""
-    return sum(threads_cpu_ns(pid))
 
 
 def threads_cpu_ns(pid: int) -> tuple[int, int]:

@@ -1,9 +1,10 @@
 """Cost of the SLO hold: per request on the request path and in the exporter, and its memory.
 
 - **Request path**: what a request's end costs with the exact profiler: ``end_span`` (the hold
-  takes the verdict, the sampler hands over the span's CPU) and the span's annotation,
-  through ``ProfilerRuntime`` and a started ``ExactBackend`` pushing to an in-process receiver,
-  against the same loop calling a no-op (the baseline), interleaved round by round.
+  takes the verdict, the sampler hands over the span's CPU) of a started ``ExactBackend``
+  pushing to an in-process receiver, alone and through the middlewares' ``end_span`` (which
+  also annotates the span), against the same loop calling a no-op (the baseline), interleaved
+  round by round.
 - **Exporter**: one upload window of ``REQUESTS`` requests (3 stacks each, a quarter still in
   flight) through ``SloHold.take_window`` against handing the window on untouched; per request.
 - **Memory**: what the hold keeps for 10,000 concurrent slow requests (4 stacks each) and for
@@ -55,7 +56,7 @@ def _request_path(rounds: int, count: int) -> dict[str, list[float]]:
             def profiler(
                 runtime: ProfilerRuntime, span: object, span_id: str, breached: bool
             ) -> None:
-                runtime.end_span(span_id, breached)
+                backend.end_span(span_id, breached)
 
             variants = {"baseline": nothing, "profiler": profiler, "end_span": end_span}
             for index in range(rounds):
@@ -150,7 +151,7 @@ def run(quick: bool) -> Section:
     full = [v - b for v, b in zip(path["end_span"], path["baseline"], strict=True)]
     section = Section("hold", "The SLO hold (breach-labelled profiles)")
     section.body += [
-        "Request path: a request's end with the exact profiler running: `ProfilerRuntime` → "
+        "Request path: a request's end with the exact profiler running: "
         "`ExactBackend.end_span` (the hold takes the verdict, the sampler hands over the span's "
         "CPU), and the same through the middlewares' `end_span`, which annotates the SDK span "
         "(here with nothing: `spanprof.cpu_time_s` is left out of a span no sample landed in, "

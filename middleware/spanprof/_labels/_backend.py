@@ -11,7 +11,6 @@ __all__ = [
     "PreparesInMainThread",
     "ProfilerBackend",
     "ReadsMainThreadContext",
-    "UNUSED",
     "SpanUsage",
     "span_usage",
 ]
@@ -63,10 +62,9 @@ class SpanUsage(NamedTuple):
     alloc_bytes: int | None = None
 
 
-#: The usage of a request none of whose samples landed (most short requests), by its
-#: ``alloc_bytes`` (``None``: no allocation sampling; 0): one object each, shared. The request
-#: path returns it without a call when both counts are zero (``UNUSED[alloc_bytes]``).
-UNUSED: dict[int | None, SpanUsage] = {None: SpanUsage(0, None), 0: SpanUsage(0, 0)}
+# The usage of a request none of whose samples landed (most short requests), with and without
+# allocation sampling: one object each, shared.
+_UNUSED = {None: SpanUsage(0, None), 0: SpanUsage(0, 0)}
 _tuple_new = tuple.__new__
 
 
@@ -77,7 +75,7 @@ def span_usage(cpu_ns: int, alloc_bytes: int | None) -> SpanUsage:
     about 3,000 instructions a request on CPython 3.11, 0.3% of a trivial one.
     """
     if not cpu_ns and not alloc_bytes:
-        unused = UNUSED.get(alloc_bytes)
+        unused = _UNUSED.get(alloc_bytes)
         if unused is not None:
             return unused
     usage: SpanUsage = _tuple_new(SpanUsage, (cpu_ns, alloc_bytes))

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .._config import parse_bool, parse_int
 from .._env import env_value
-from .._labels._backend import UNUSED, SpanUsage, span_usage
+from .._labels._backend import SpanUsage, span_usage
 from .._labels._labelset import LabelSet
 from .._logging import logger
 from ._encoders._memory import MemoryEncoder, memory_series_labels
@@ -655,20 +655,10 @@ class ExactBackend(WithPyroscopeSettings):
         if take_cpu is None or hold is None:
             return None
         # One store for both holds (CPU and memory), the span's CPU and bytes straight from C:
-        # the request path pays for every Python frame here (about 1,000 instructions each),
-        # so Verdicts.record and span_usage's common case are done in place.
-        verdicts = hold.verdicts
-        current = verdicts.current
-        if len(current) < verdicts.max_verdicts:
-            current[span_id] = breached
-        else:
-            verdicts.dropped += 1
+        # the request path pays for every Python frame here (about 1,000 instructions each).
+        hold.verdicts.record(span_id, breached)
         take_bytes = self._take_span_bytes
-        cpu_ns = take_cpu(span_id, 0)
-        alloc_bytes = None if take_bytes is None else take_bytes(span_id)
-        if not cpu_ns and not alloc_bytes:
-            return UNUSED[alloc_bytes]
-        return span_usage(cpu_ns, alloc_bytes)
+        return span_usage(take_cpu(span_id, 0), None if take_bytes is None else take_bytes(span_id))
 
     def set_thread_labels(self, previous: LabelSet, current: LabelSet) -> None:
         """The calling thread switched labels (thread-pool job start or end, mostly)."""

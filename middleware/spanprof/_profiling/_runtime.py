@@ -63,7 +63,8 @@ class ProfilerRuntime:
         self._lock = threading.Lock()
         self._pid: int | None = None
         #: The backend's ``end_span`` (``EndsSpans``), looked up once, or ``None``: the request
-        #: path calls it itself (``_web._usage.end_span``), one frame less than ``end_span``.
+        #: path (``_web._usage.end_span``) calls it itself, logging a failure with
+        #: ``end_span_failed``, so that no frame of the runtime's stands between them.
         self.span_ender: Callable[[str, bool | None], SpanUsage | None] | None = (
             backend.end_span if isinstance(backend, EndsSpans) else None
         )
@@ -134,17 +135,6 @@ class ProfilerRuntime:
                 # Set last: until the engine feeds the backend, other threads' first requests
                 # wait in ensure_started() instead of setting labels nobody pushes.
                 self._pid = pid
-
-    def end_span(self, span_id: str, breached: bool | None) -> SpanUsage | None:
-        """Tell the backend a request's span ends (see ``EndsSpans``); never raises."""
-        end = self.span_ender
-        if end is None:
-            return None
-        try:
-            return end(span_id, breached)
-        except Exception:
-            self.end_span_failed()
-            return None
 
     def end_span_failed(self) -> None:
         """Log (once) that the backend's ``end_span`` raised."""

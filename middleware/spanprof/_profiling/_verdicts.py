@@ -49,7 +49,6 @@ class Verdicts:
 
     def record(self, span_id: str, breached: bool | None) -> None:
         """The span ``span_id`` ended with ``breached``."""
-        # ExactBackend.end_span does the same in place (a frame less on every request).
         current = self.current
         if len(current) < self.max_verdicts:
             current[span_id] = breached
