@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import pytest
 
@@ -74,12 +74,10 @@ class _Stepped(Protocol):
     def step(self) -> object: ...
 
 
-def timed_steps(encoder: _Stepped) -> tuple[int, int]:
-    """Run ``encoder`` to the end: (its longest step's CPU ns, its number of steps).
+_E = TypeVar("_E", bound=_Stepped)
 
-    A collection of the whole test process's heap can start in any step: that pause is sized
-    by the heap, not by the encoding work measured, so the collector is off meanwhile.
-    """
+
+def _longest_step(encoder: _Stepped) -> tuple[int, int]:
     longest = 0
     steps = 0
     gc.disable()
@@ -92,3 +90,30 @@ def timed_steps(encoder: _Stepped) -> tuple[int, int]:
     finally:
         gc.enable()
     return longest, steps
+
+
+def timed_steps(
+    make: Callable[[], _E], budget_ns: int = 2_000_000, attempts: int = 3
+) -> tuple[_E, int, int]:
+    """Run encoders from ``make`` to the end: (the encoder, its longest step's CPU ns, its
+    number of steps), for the first whose longest step is within ``budget_ns``, else for the
+    one whose longest step was shortest of ``attempts``.
+
+    One step's thread CPU can be inflated by what the step did not cause: a page fault or
+    interrupt charged to it, caches lost to a preemption on a busy machine (CI once read
+    2.6 ms against a 2 ms budget this way). A step that is long by design is long on every
+    attempt, so the least of a few attempts still fails for it. A collection of the whole
+    test process's heap can start in any step: that pause is sized by the heap, not by the
+    encoding work measured, so the collector is off meanwhile. ``make`` builds everything
+    the encoder reads, so no attempt starts with what an earlier one cached.
+    """
+    best: tuple[_E, int, int] | None = None
+    for _ in range(attempts):
+        encoder = make()
+        longest, steps = _longest_step(encoder)
+        if best is None or longest < best[1]:
+            best = (encoder, longest, steps)
+        if longest <= budget_ns:
+            break
+    assert best is not None
+    return best

@@ -606,22 +606,23 @@ def test_window_encoding_steps_stay_short_and_lose_nothing(
 ) -> None:
     """4,000 distinct deep samples encode in steps of < 2 ms CPU: into one profile, written
     a slice at a time, or into several when a profile may hold fewer."""
-    tables = StackTables()
     codes = [fn.__code__ for fn in (_leaf, _root, _labels, _window, _windows, _pusher)]
-    window = Window(time.time_ns(), tables)
-    for n in range(4000):
-        key = tuple(
-            tables.raw_frame(codes[(n + depth) % len(codes)], depth * 2 + n % 7, depth + 1)
-            for depth in range(48)
-        )
-        window.values[(tables.stack_of(key), _labels(n))] = n + 1
-    window.end_ns = window.start_ns + 10_000_000_000
-    encoder = (
-        WindowEncoder(window, period_ns=10_000_000)
-        if max_samples is None
-        else WindowEncoder(window, period_ns=10_000_000, max_samples=max_samples)
-    )
-    longest, _ = timed_steps(encoder)
+
+    def make() -> WindowEncoder:
+        tables = StackTables()
+        window = Window(time.time_ns(), tables)
+        for n in range(4000):
+            key = tuple(
+                tables.raw_frame(codes[(n + depth) % len(codes)], depth * 2 + n % 7, depth + 1)
+                for depth in range(48)
+            )
+            window.values[(tables.stack_of(key), _labels(n))] = n + 1
+        window.end_ns = window.start_ns + 10_000_000_000
+        if max_samples is None:
+            return WindowEncoder(window, period_ns=10_000_000)
+        return WindowEncoder(window, period_ns=10_000_000, max_samples=max_samples)
+
+    encoder, longest, _ = timed_steps(make)
     assert longest < 2_000_000
     assert len(encoder.profiles) == profiles
     decoded = [decode_profile(raw) for raw in encoder.profiles]

@@ -192,13 +192,16 @@ def _deep_stacks(tables: StackTables, count: int) -> list[int]:
 
 def test_encoding_steps_stay_short_and_lose_nothing() -> None:
     """4,000 distinct deep samples encode in steps of < 2 ms CPU, each sample intact."""
-    tables = StackTables()
-    window = Window(time.time_ns(), tables)
-    for n, sid in enumerate(_deep_stacks(tables, 4000)):
-        window.values[(sid, _labels(n))] = n + 1
-    window.end_ns = window.start_ns + 10_000_000_000
-    encoder = OtlpEncoder(window, resource=encode_resource(RESOURCE), scope=encode_scope())
-    longest, steps = timed_steps(encoder)
+
+    def make() -> OtlpEncoder:
+        tables = StackTables()
+        window = Window(time.time_ns(), tables)
+        for n, sid in enumerate(_deep_stacks(tables, 4000)):
+            window.values[(sid, _labels(n))] = n + 1
+        window.end_ns = window.start_ns + 10_000_000_000
+        return OtlpEncoder(window, resource=encode_resource(RESOURCE), scope=encode_scope())
+
+    encoder, longest, steps = timed_steps(make)
     assert longest < 2_000_000
     assert steps > 2
     request = ExportProfilesServiceRequest.FromString(encoder.request)

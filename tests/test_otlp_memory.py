@@ -137,19 +137,22 @@ def test_a_cpu_window_gives_four_empty_memory_profiles() -> None:
 
 def test_memory_encoding_steps_stay_short_and_lose_nothing() -> None:
     """4,000 distinct deep keys (half still in use) encode in steps of < 2 ms CPU, intact."""
-    tables = StackTables()
-    window = MemoryWindow(time.time_ns(), tables)
-    for n, sid in enumerate(_deep_stacks(tables, 4000)):
-        key = (sid, _labels(n))
-        window.values[key] = 1024 * (n + 1)
-        window.alloc_objects[key] = n + 1
-        if n % 2:
-            window.inuse[key] = (1, 512 * (n + 1))
-    window.end_ns = window.start_ns + 10_000_000_000
-    encoder = OtlpMemoryEncoder(
-        window, period=PERIOD, resource=encode_resource(RESOURCE), scope=encode_scope()
-    )
-    longest, steps = timed_steps(encoder)
+
+    def make() -> OtlpMemoryEncoder:
+        tables = StackTables()
+        window = MemoryWindow(time.time_ns(), tables)
+        for n, sid in enumerate(_deep_stacks(tables, 4000)):
+            key = (sid, _labels(n))
+            window.values[key] = 1024 * (n + 1)
+            window.alloc_objects[key] = n + 1
+            if n % 2:
+                window.inuse[key] = (1, 512 * (n + 1))
+        window.end_ns = window.start_ns + 10_000_000_000
+        return OtlpMemoryEncoder(
+            window, period=PERIOD, resource=encode_resource(RESOURCE), scope=encode_scope()
+        )
+
+    encoder, longest, steps = timed_steps(make)
     assert longest < 2_000_000
     assert steps > 2
     request = ExportProfilesServiceRequest.FromString(encoder.request)

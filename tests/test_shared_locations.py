@@ -277,22 +277,23 @@ def test_a_big_memory_window_is_written_in_short_slices(
 ) -> None:
     """3,000 distinct memory samples: steps of < 2 ms CPU, one profile written a slice at a
     time (or one per max_samples), nothing lost."""
-    tables, sids = _tables(A, B, C)
-    keys = [(sids[n % 3], _span(n)) for n in range(3000)]
-    window = MemoryWindow(
-        0,
-        tables,
-        values={key: 1000 + n for n, key in enumerate(keys)},
-        end_ns=5,
-        alloc_objects=dict.fromkeys(keys, 1),
-    )
-    shared = SharedLocations()
-    encoder = (
-        MemoryEncoder(window, period=524288, locations=shared)
-        if max_samples is None
-        else MemoryEncoder(window, period=524288, locations=shared, max_samples=max_samples)
-    )
-    longest, steps = timed_steps(encoder)
+
+    def make() -> MemoryEncoder:
+        tables, sids = _tables(A, B, C)
+        keys = [(sids[n % 3], _span(n)) for n in range(3000)]
+        window = MemoryWindow(
+            0,
+            tables,
+            values={key: 1000 + n for n, key in enumerate(keys)},
+            end_ns=5,
+            alloc_objects=dict.fromkeys(keys, 1),
+        )
+        shared = SharedLocations()
+        if max_samples is None:
+            return MemoryEncoder(window, period=524288, locations=shared)
+        return MemoryEncoder(window, period=524288, locations=shared, max_samples=max_samples)
+
+    encoder, longest, steps = timed_steps(make)
     assert longest < 2_000_000
     assert steps > 1
     assert len(encoder.profiles) == profiles
