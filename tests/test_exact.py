@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.client
 import itertools
 import os
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -240,6 +242,43 @@ def test_a_tick_walks_the_other_threads_only_once_they_used_cpu(sampler: Sampler
     for (_sid, labels), value in sampler.take_window().values.items():
         by_labels[labels] = by_labels.get(labels, 0) + value
     assert by_labels[_labels(1)] / 1e9 == pytest.approx(used[0], rel=0.2), (by_labels, used)
+
+
+@pytest.mark.engine
+def test_walking_the_other_threads_leaves_no_cycles(sampler: Sampler) -> None:
+    """A walk reads every thread's frames, the interrupted main thread's among them: none of
+    it outlives the tick in a reference cycle that only the collector would free."""
+    stop = threading.Event()
+    used: list[float] = []
+
+    def worker() -> None:
+        started = time.thread_time()
+        while not stop.is_set():
+            MARKERS[1](0.001)
+        used.append(time.thread_time() - started)
+
+    busy = threading.Thread(target=worker)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        sampler.start()
+        busy.start()
+        spent = 0.0
+        while sampler.ticks < 100 and spent < 5.0:
+            MARKERS[0](0.05)
+            spent += 0.05
+        stop.set()
+        busy.join()
+        sampler.stop()
+        gc.collect()
+        garbage = list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert sampler.ticks >= 50, sampler.stats()
+    assert used[0] > 0.05, used
+    frames = [o for o in garbage if isinstance(o, FrameType)]
+    assert [f.f_code.co_name for f in frames] == []
 
 
 class _SamplerBackend:

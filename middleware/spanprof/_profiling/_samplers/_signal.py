@@ -959,8 +959,11 @@ class Sampler:
         versions = self._versions
         versions_before = versions.copy()
         frames = _current_frames()  # gh-106883 before 3.12: see _current_frames
+        # The main thread's entry is the stack running this handler, this frame included: kept
+        # in a local, it would make a cycle (this frame, its locals, the dict, this frame) that
+        # holds the interrupted stack's frames until the collector finds it, one per walk.
+        frames.pop(self._main_ident, None)
         states = self._states
-        main_ident = self._main_ident
         labels_of = self._labels
         blocking = self._blocking
         # threading.enumerate() takes a lock the interrupted main thread may hold: read the
@@ -968,8 +971,6 @@ class Sampler:
         active: dict[int, threading.Thread] = getattr(threading, "_active", {})
         used = 0
         for ident, top in frames.items():
-            if ident == main_ident:
-                continue
             state = states.get(ident)
             if state is None or active.get(ident) is not state.thread:
                 states[ident] = self._new_state(ident, wall_now)
