@@ -15,6 +15,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -332,6 +333,41 @@ def test_short_pool_jobs_are_booked_to_their_labels_and_function(sampler: Sample
     assert booked <= pool_cpu[0] * 1.01
     leaves = {window.stack(sid)[0].function for (sid, _labels_), _v in window.values.items()}
     assert {f"burn_request_0{i}" for i in range(4)} <= leaves
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(60, method="thread")  # the wall clock uses SIGALRM, pytest-timeout's signal
+def test_a_pool_worker_waiting_where_it_waited_before_its_jobs_keeps_a_stack() -> None:
+    """Wall clock: a pool worker waits for jobs in the same frame at the same instruction
+    every time (``_worker``, in the C queue's ``get``). A job's labels ending between two
+    looks forgets the stack it was last seen on; the next look must not book the wait to
+    that forgotten stack (once, a sample without one: the window could not be encoded)."""
+    wall = Sampler(sample_rate=200, clock="wall")
+    spanprof.engine.install_label_engine(_SamplerBackend(wall))
+    pool = ThreadPoolExecutor(1)
+    try:
+        wall.start()
+        for n in range(60):
+            pool.submit(run_labelled, _labels(n % 3), MARKERS[n % 3], 0.0005).result()
+            time.sleep(0.006)
+        wall.stop()
+    finally:
+        pool.shutdown()
+        spanprof.engine.uninstall_label_engine()
+    window = wall.take_window()
+    assert wall.ticks >= 40, wall.stats()
+    assert [sid for sid, _labels_ in window.values if sid < 0 and sid not in window.foreign] == []
+    waits = {
+        window.stack(sid)[0].function
+        for (sid, labels), _v in window.values.items()
+        if not labels and sid >= 0
+    }
+    assert "_worker" in waits
+    encoder = WindowEncoder(window, period_ns=5_000_000)
+    while not encoder.done:
+        encoder.step()
+    decoded = [decode_profile(raw) for raw in encoder.profiles]
+    assert sum(p.total() for p in decoded) == sum(window.values.values())
 
 
 @pytest.mark.engine

@@ -1001,7 +1001,12 @@ class Sampler:
             is_waiting = id(top.f_code) in blocking
             state.waiting_in = top if is_waiting else None
             if wall or not is_waiting:
-                if wall and is_waiting and state.last_top_lasti == (top, top.f_lasti):
+                if (
+                    wall
+                    and is_waiting
+                    and state.last_top_lasti == (top, top.f_lasti)
+                    and state.tables is tables
+                ):
                     sid = state.last_stack
                 else:
                     sid = self._stack_id(tables, top)
@@ -1077,6 +1082,7 @@ class Sampler:
                 else:
                     dropped += residual
             state.last_stack = -1
+            state.last_top_lasti = None  # names last_stack: forgotten with it
             state.last_labels = None
             state.job_frames = entry
             state.job_labels = current
