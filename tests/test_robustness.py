@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 from typing import Any
@@ -174,16 +175,35 @@ def test_absurd_route_templates_are_sanitized(
     assert set(name) <= SAFE_VALUE
 
 
-def test_a_raising_route_resolver_never_fails_the_request(
-    tracer_provider: TracerProvider, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A broken route resolver is logged once; requests are named <unmatched> and served."""
+_RAISES = RuntimeError("resolver bug")
 
-    def broken(scope: Any) -> str:
-        raise RuntimeError("resolver bug")
+
+@pytest.mark.parametrize(
+    ("returned", "logged"),
+    [
+        (_RAISES, "resolving the route template failed"),
+        # A list is unhashable where the name is made: it failed the request before the app.
+        (["/users/{id}"], "the route resolver returned a list"),
+        ({"path": "/users/{id}"}, "the route resolver returned a dict"),
+        (42, "the route resolver returned a int"),
+    ],
+)
+def test_a_broken_route_resolver_never_fails_the_request(
+    tracer_provider: TracerProvider,
+    caplog: pytest.LogCaptureFixture,
+    returned: object,
+    logged: str,
+) -> None:
+    """A resolver that raises, or returns no string, is logged once (with a traceback only
+    when there is one); requests are named <unmatched> and served."""
+
+    def resolver(scope: Any) -> Any:  # what its annotation promises, it does not always do
+        if returned is _RAISES:
+            raise _RAISES
+        return returned
 
     app = ProfilingMiddleware(
-        _app(), profiler=None, tracer_provider=tracer_provider, route_resolver=broken, environ={}
+        _app(), profiler=None, tracer_provider=tracer_provider, route_resolver=resolver, environ={}
     )
     from spanprof._logging import reset_log_once
 
@@ -193,7 +213,11 @@ def test_a_raising_route_resolver_never_fails_the_request(
             status, body = asyncio.run(_call(app, _scope(b"/users/1", [])))
             assert status == 200
             assert b"<unmatched>" in body
-    assert len([r for r in caplog.records if "route template" in r.getMessage()]) == 1
+    (record,) = [r for r in caplog.records if "route" in r.getMessage()]
+    assert logged in record.getMessage()
+    shown = logging.Formatter().format(record)
+    assert ("Traceback" in shown) is (returned is _RAISES)
+    assert "NoneType" not in shown
 
 
 @given(st.text(max_size=500))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 
 __all__ = ["log_once", "logger", "reset_log_once"]
@@ -25,7 +26,9 @@ def log_once(
         if key in _seen:
             return
         _seen.add(key)
-    logger.log(level, message, exc_info=exc_info)
+    # Outside an except block there is no traceback to show: logging would print
+    # "NoneType: None" under the message.
+    logger.log(level, message, exc_info=exc_info and sys.exc_info()[1] is not None)
 
 
 def reset_log_once() -> None:

@@ -29,6 +29,7 @@ from ._routes import (
     UNMATCHED,
     fastapi_telemetry_naming,
     known_method,
+    resolved_template,
     span_name,
     starlette_route_template,
 )
@@ -429,7 +430,7 @@ class ProfilingMiddleware:
     def _template(self, scope: Scope, fastapi_prefix: str | None = None) -> str | None:
         try:
             if self._resolve is not None:
-                return self._resolve(scope)
+                return resolved_template(self._resolve(scope))
             return starlette_route_template(scope, self.app, fastapi_prefix=fastapi_prefix)
         except Exception:
             log_once(

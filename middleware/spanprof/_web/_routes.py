@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._labels._labelset import sanitize_value
+from .._logging import log_once
 
 __all__ = [
     "UNMATCHED",
@@ -57,6 +58,22 @@ def span_name(method: str, template: str) -> str:
         if len(_names) < _MAX_NAMES:  # bounded: templates are few, but a custom resolver may lie
             _names[key] = name
     return name
+
+
+def resolved_template(template: object) -> str | None:
+    """What a user's ``route_resolver`` returned, as a template: a string, else none.
+
+    Anything else (a list, a route object) would fail the request where its name is made; the
+    request is named ``UNMATCHED`` instead, and the resolver's mistake is logged once.
+    """
+    if template is None or isinstance(template, str):
+        return template
+    log_once(
+        "route-resolver-type",
+        f"spanprof: the route resolver returned a {type(template).__name__}, not a str or "
+        f"None; such requests are named '{UNMATCHED}' (logged once)",
+    )
+    return None
 
 
 def span_name_label(name: str) -> str:

@@ -40,7 +40,7 @@ from .._labels._scope import labels_scope
 from .._logging import log_once
 from .._version import __version__
 from ._options import MiddlewareSettings, ProfilingOptions
-from ._routes import UNMATCHED, known_method, span_name
+from ._routes import UNMATCHED, known_method, resolved_template, span_name
 from ._spanlabels import annotate_span, is_labelled_span, is_server_span, request_labels
 from ._usage import end_span
 from ._wsgi_routes import WSGIRouteResolver, default_route_resolver
@@ -170,7 +170,7 @@ class WSGIProfilingMiddleware:
                 f"'{UNMATCHED}' (logged once)",
             )
             return None
-        return template if isinstance(template, str) else None
+        return resolved_template(template)
 
     def _begin(self, environ: WSGIEnvironment) -> _Request:
         started = time.perf_counter()
