@@ -528,23 +528,31 @@ def test_a_failure_to_label_never_fails_the_request(
     assert len([r for r in caplog.records if "labelling a request" in r.getMessage()]) == 1
 
 
+@pytest.mark.parametrize("first_sampled", [True, False])
 def test_a_pipelined_request_started_from_the_previous_ones_send_gets_its_own_span(
-    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter, first_sampled: bool
 ) -> None:
     """uvicorn's h11 protocol starts the next pipelined request's task from inside the previous
     request's last send, so it inherits that request's context, ended server span included.
-    It must get a span of its own (10 pipelined requests gave 1 span), labels its own too."""
+    It must get a span of its own (10 pipelined requests gave 1 span), labels its own too, in
+    the trace its own traceparent names. A sampled-out first request leaves a span that never
+    looks ended (not an SDK span): the second request was an INTERNAL child in its trace."""
     import contextvars
     from collections.abc import MutableMapping
 
     app = ProfilingMiddleware(build_app(), profiler=None, tracer_provider=tracer_provider)
+    first_trace, second_trace = (
+        "0af7651916cd43dd8448eb211c80319c",
+        "4bf92f3577b34da6a3ce929d0e0e4736",
+    )
 
-    def scope(path: str) -> dict[str, Any]:
+    def scope(path: str, trace_id: str, sampled: bool) -> dict[str, Any]:
+        traceparent = f"00-{trace_id}-b7ad6b7169203331-{'01' if sampled else '00'}"
         return {
             "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-            "headers": [(b"host", b"testserver")], "server": ("testserver", 80),
-            "client": ("127.0.0.1", 5000), "root_path": "",
+            "headers": [(b"host", b"testserver"), (b"traceparent", traceparent.encode())],
+            "server": ("testserver", 80), "client": ("127.0.0.1", 5000), "root_path": "",
         }  # fmt: skip
 
     async def receive() -> MutableMapping[str, Any]:
@@ -560,14 +568,18 @@ def test_a_pipelined_request_started_from_the_previous_ones_send_gets_its_own_sp
                 if not message.get("more_body"):
                     inherited.append(contextvars.copy_context())
 
-        await app(scope("/items/1"), receive, send)
+        await app(scope("/items/1", first_trace, first_sampled), receive, send)
         loop = asyncio.get_running_loop()
-        second = inherited[0].run(loop.create_task, app(scope("/items/2"), receive, send))
-        await second
+        second_request = app(scope("/items/2", second_trace, True), receive, send)
+        await inherited[0].run(loop.create_task, second_request)
         return [json.loads(body) for body in bodies if body]
 
     first, second = asyncio.run(main())
     spans = _server_spans(span_exporter)
-    assert len(spans) == 2, [s.name for s in spans]
-    ids = {format(span.context.span_id, "016x") for span in spans}
-    assert {first["labels"]["span_id"], second["labels"]["span_id"]} == ids
+    assert len(span_exporter.get_finished_spans()) == len(spans)  # no INTERNAL spans
+    assert [format(s.context.trace_id, "032x") for s in spans] == (
+        [first_trace, second_trace] if first_sampled else [second_trace]
+    )
+    assert second["labels"]["span_id"] == format(spans[-1].context.span_id, "016x")
+    assert second["labels"]["trace_id"] == second_trace
+    assert first["labels"]["span_id"] != second["labels"]["span_id"]

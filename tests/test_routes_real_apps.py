@@ -14,8 +14,11 @@ import httpx
 import pytest
 from fastapi import APIRouter, Depends, FastAPI
 from flask import Flask
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -26,7 +29,7 @@ from werkzeug.test import EnvironBuilder
 import spanprof
 from spanprof import ProfilingMiddleware, WSGIProfilingMiddleware
 
-from .conftest import require
+from .conftest import histogram_points, require
 
 ASGIApp = Callable[..., Any]
 
@@ -498,11 +501,18 @@ def test_spanprof_outside_fastapi_telemetry_keeps_one_server_span(
 
 
 @needs_fastapi_telemetry
+@pytest.mark.parametrize("sampled", [True, False])
 def test_fastapi_telemetry_names_mounts_and_the_label_follows(
-    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter, sampled: bool
 ) -> None:
     """Mounted apps under FastAPI's telemetry: a FastAPI sub-app's route names the request, a
-    Starlette sub-app only its mount (FastAPI's rule), and the label is that same name."""
+    Starlette sub-app only its mount (FastAPI's rule), and the label is that same name.
+
+    Sampled out, FastAPI's span is no SDK span and has no kind: it is still the one FastAPI
+    put in the scope (the request was named by spanprof's own template, converters and all:
+    two label series and two http.route series for one route)."""
+    if not sampled:
+        tracer_provider = TracerProvider(sampler=ALWAYS_OFF)
     app = FastAPI(telemetry={"tracer_provider": tracer_provider})
     v2 = FastAPI()
 
@@ -515,7 +525,7 @@ def test_fastapi_telemetry_names_mounts_and_the_label_follows(
     app.add_middleware(ProfilingMiddleware, profiler=None, tracer_provider=tracer_provider)
     results = get_all(app, ("test", "/v2/items/7"), ("test", "/legacy/items/7"))
     names = ["GET /v2/items/{item_id}", "GET /legacy/{path}"]
-    assert [s.name for s in server_spans(span_exporter)] == names
+    assert [s.name for s in server_spans(span_exporter)] == (names if sampled else [])
     assert [r["body"] for r in results] == [{"span_name": name} for name in names]
 
 
@@ -744,3 +754,70 @@ def test_flask_with_its_own_middleware_mounted_in_an_asgi_app_keeps_the_outer_na
         "span_name": "GET /legacy/{path:path}",
         "span_id": format(span.context.span_id if span.context else 0, "016x"),
     }
+
+
+def test_nested_layers_leave_a_sampled_out_outer_request_alone(
+    meter_provider: MeterProvider, metric_reader: InMemoryMetricReader
+) -> None:
+    """A sampled-out request's span is not an SDK span and has no kind: a sub-app's layer
+    (ASGI, or Flask's WSGI one) must still see that the outer layer owns the request. It
+    opened a second span, relabelled the request and timed it a second time."""
+    from asgiref.wsgi import WsgiToAsgi
+
+    sampled_out = TracerProvider(sampler=ALWAYS_OFF)
+    flask = Flask("spanprof_mounted_sampled_out")
+
+    @flask.get("/items/<int:item_id>")
+    def flask_item(item_id: int) -> dict[str, Any]:
+        return {"span_name": spanprof.current_labels().get("span_name")}
+
+    flask.wsgi_app = WSGIProfilingMiddleware(  # type: ignore[method-assign]
+        flask.wsgi_app,
+        profiler=None,
+        tracer_provider=sampled_out,
+        meter_provider=meter_provider,
+        environ={},
+    )
+    sub = ProfilingMiddleware(
+        Starlette(routes=[Route("/items/{item_id}", label_view)]),
+        profiler=None,
+        tracer_provider=sampled_out,
+        meter_provider=meter_provider,
+    )
+    legacy = WsgiToAsgi(flask)  # type: ignore[no-untyped-call]  # asgiref ships no annotations
+    app = Starlette(routes=[Mount("/v1", app=sub), Mount("/legacy", app=legacy)])
+    wrapped = ProfilingMiddleware(
+        app, profiler=None, tracer_provider=sampled_out, meter_provider=meter_provider
+    )
+    results = get_all(wrapped, ("test", "/v1/items/1"), ("test", "/legacy/items/7"))
+    names = ["GET /v1/items/{item_id}", "GET /legacy/{path:path}"]
+    assert [r["body"] for r in results] == [{"span_name": name} for name in names]
+    points = histogram_points(metric_reader, "http.server.request.duration")
+    routes = sorted((str((p.attributes or {}).get("http.route")), p.count) for p in points)
+    assert routes == [("/legacy/{path:path}", 1), ("/v1/items/{item_id}", 1)]
+
+
+def test_a_nested_layer_never_starts_its_profiler_for_the_outer_ones_requests() -> None:
+    """A sub-app's layer with a profiler of its own passes the outer layer's requests through
+    untouched: starting its backend there took the label engine from the outer profiler."""
+    from spanprof.engine import installed_backend
+
+    outer, inner = spanprof.RecorderBackend(), spanprof.RecorderBackend()
+    sub = ProfilingMiddleware(
+        Starlette(routes=[Route("/items/{item_id}", label_view)]), profiler=inner
+    )
+    app = Starlette(routes=[Route("/home", label_view), Mount("/sub", app=sub)])
+    try:
+        results = get_all(
+            ProfilingMiddleware(app, profiler=outer), ("test", "/home"), ("test", "/sub/items/1")
+        )
+        # No SDK here: no span ids in the labels to tell, the outer request in progress does.
+        assert [r["body"] for r in results] == [
+            {"span_name": "GET /home"},
+            {"span_name": "GET /sub/items/{item_id}"},
+        ]
+        assert installed_backend() is outer
+        assert (outer.started, inner.started) == (1, 0)
+    finally:
+        outer.shutdown()
+        inner.shutdown()

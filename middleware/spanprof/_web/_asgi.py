@@ -459,6 +459,22 @@ class ProfilingMiddleware:
         if excluded is not None and self._is_excluded(excluded, scope):
             await self.app(scope, receive, send)
             return
+        current = trace.get_current_span()
+        inherited = _REQUEST.get()
+        if is_ended_span(current) or (inherited is not None and inherited.finished is not None):
+            # A pipelined request's task is started (by uvicorn's h11 protocol) from inside the
+            # previous request's last send, and inherits its context: its span, its labels.
+            # The request starts afresh from an empty context instead. A sampled-out span
+            # never looks ended (it is not an SDK span): the previous response's end says it.
+            await self._afresh(scope, receive, send)
+            return
+        if inherited is not None or is_labelled_span(current):
+            # An outer spanprof layer owns this request (this app is mounted in its app): it
+            # keeps its name, labels and duration; renaming it to this app's template is wrong.
+            # Its span may be sampled out, with no kind to tell, or a no-op one without an SDK:
+            # its request in progress tells (the labels do for a WSGI layer around this one).
+            await self.app(scope, receive, send)
+            return
         self._runtime.ensure_started()
         attach_loop()
         if not steps_hooked():
@@ -467,23 +483,12 @@ class ProfilingMiddleware:
             # labels on each of its steps, as the hooks do for every later request.
             await run_steps_hooked(self(scope, receive, send))
             return
-        current = trace.get_current_span()
-        if is_ended_span(current):
-            # A pipelined request's task is started (by uvicorn's h11 protocol) from inside the
-            # previous request's last send, and inherits its context: its ended span, its
-            # labels. The request starts afresh from an empty context instead.
-            await self._afresh(scope, receive, send)
-            return
-        reused = is_server_span(current)
-        if reused and is_labelled_span(current):
-            # An outer spanprof layer owns this request (this app is mounted in its app): it
-            # keeps its name, labels and duration; renaming it to this app's template is wrong.
-            await self.app(scope, receive, send)
-            return
         method = scope.get("method", "") if kind == "http" else "WEBSOCKET"
         # Inside FastAPI's own telemetry, its server span is the request's: FastAPI renames it
         # when its router picks the route, so the request is named the way FastAPI names it.
-        fastapi = fastapi_telemetry_naming(scope, current) if reused else None
+        # (Its span is the one it put in the scope, sampled out or not.)
+        fastapi = fastapi_telemetry_naming(scope, current)
+        reused = fastapi is not None or is_server_span(current)
         if fastapi is None:
             template = self._template(scope)
             name = span_name(method, template if template is not None else UNMATCHED)
@@ -571,10 +576,12 @@ class ProfilingMiddleware:
     async def _afresh(self, scope: Scope, receive: Receive, send: Send) -> None:
         otel_token = otel_context.attach(otel_context.Context())
         labels_token = LABELS.set(EMPTY)
+        request_token = _REQUEST.set(None)
         try:
             apply(EMPTY)
             await self(scope, receive, send)
         finally:
+            _REQUEST.reset(request_token)
             LABELS.reset(labels_token)
             otel_context.detach(otel_token)
             apply(LABELS.get())

@@ -134,15 +134,15 @@ class WSGIProfilingMiddleware:
         return self._runtime.backend
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
-        # The first request of each process, after any fork, starts the profiler.
-        self._runtime.ensure_started()
         if self._excluded is not None and self._excluded.url_disabled(_request_url(environ)):
             return self.app(environ, start_response)
-        current = trace.get_current_span()
-        if is_server_span(current) and is_labelled_span(current):
+        if is_labelled_span(trace.get_current_span()):
             # An outer spanprof layer (ASGI or WSGI) owns this request: it keeps its name,
-            # labels and duration.
+            # labels and duration, and its profiler runs. Its span may be sampled out, with no
+            # kind to tell: the labels are what tell.
             return self.app(environ, start_response)
+        # The first request of each process, after any fork, starts the profiler.
+        self._runtime.ensure_started()
         try:
             request = self._begin(environ)
         except Exception:
