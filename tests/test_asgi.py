@@ -481,12 +481,47 @@ def test_a_blank_excluded_url_item_excludes_nothing(
 
 
 @pytest.mark.parametrize(
+    ("excluded", "excluded_paths", "traced_paths"),
+    [
+        # A leading inline flag is the first pattern's alone, not every pattern's.
+        ("(?i)/ITEMS/,/API/users", ["/items/3"], ["/api/users/1"]),
+        # ... and it is no error in a later pattern.
+        ("/boom,(?i)/ITEMS/", ["/boom", "/items/3"], ["/api/users/1"]),
+        # Two patterns may each name a group alike.
+        ("(?P<p>/items/),(?P<p>/boom)", ["/items/3", "/boom"], ["/api/users/1"]),
+    ],
+)
+def test_each_excluded_url_pattern_means_what_it_means_alone(
+    recorder: RecorderBackend,
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    excluded: str,
+    excluded_paths: list[str],
+    traced_paths: list[str],
+) -> None:
+    """excluded_urls patterns are matched one by one, never compiled joined by "|"."""
+    calls: list[str] = []
+    app = _counted(build_app(recorder), calls, tracer_provider, excluded_urls=excluded)
+
+    async def main() -> None:
+        async with _client(app) as client:
+            for path in excluded_paths + traced_paths:
+                await client.get(path)
+
+    asyncio.run(main())
+    assert calls == excluded_paths + traced_paths
+    assert [s.name for s in _server_spans(span_exporter)] == ["GET /api/users/{user_id:int}"]
+
+
+@pytest.mark.parametrize(
     ("excluded", "message"),
     [
         ("/health|", "matches every URL"),
         (".*", "matches every URL"),
         ("/ok,(", "not a valid regular expression"),
         ("*", "not a valid regular expression"),
+        # Not an re.error: compiling raises OverflowError.
+        ("/ok,a{4294967296}", "not a valid regular expression"),
     ],
 )
 def test_an_excluded_url_pattern_that_cannot_work_is_refused(excluded: str, message: str) -> None:

@@ -783,6 +783,17 @@ def test_excluded_urls_are_neither_traced_nor_labelled(
     assert [s.name for s in span_exporter.get_finished_spans()] == ["GET /api/users/<int:pk>"]
 
 
+def test_each_excluded_url_pattern_means_what_it_means_alone(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """A leading (?i) is its own pattern's: excluded_urls are never compiled joined by "|"."""
+    app = wrap_flask(flask_app(), tracer_provider, excluded_urls="(?i)/ITEMS/,/API/users")
+    with client(app) as http:
+        assert http.get("/items/3").json()["labels"] == {}
+        assert http.get("/api/users/1").status_code == 200
+    assert [s.name for s in server_spans(span_exporter)] == ["GET /api/users/<int:pk>"]
+
+
 def test_trace_id_label_can_be_turned_off(tracer_provider: TracerProvider) -> None:
     """trace_id_label=False (or SPANPROF_TRACE_ID_LABEL=false) leaves trace_id out."""
     for options in ({"trace_id_label": False}, {"environ": {"SPANPROF_TRACE_ID_LABEL": "false"}}):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -28,7 +28,7 @@ from .._signals._duration import DurationRecorder
 from .._signals._prometheus import PrometheusMetrics
 from .._signals._slo import SloPolicy
 
-__all__ = ["MiddlewareSettings", "ProfilingOptions"]
+__all__ = ["ExcludedUrls", "MiddlewareSettings", "ProfilingOptions"]
 
 
 class ProfilingOptions(TypedDict, total=False):
@@ -47,9 +47,10 @@ class ProfilingOptions(TypedDict, total=False):
             ``SPANPROF_TRACE_ID_LABEL``); turn off for Pyroscope servers older than 2.0.3,
             where ``trace_id`` becomes a series label.
         excluded_urls: comma-separated URL patterns to leave untraced and unlabelled
-            (OpenTelemetry syntax: regular expressions searched in the URL); matching requests
-            go straight to the app. Blank items are ignored; a pattern that is no regex, or
-            matches every URL, raises ``ValueError``.
+            (OpenTelemetry syntax: regular expressions, each searched in the URL on its own, so
+            a leading ``(?i)`` is its own pattern's); matching requests go straight to the app.
+            Blank items are ignored; a pattern that is no regex, or matches every URL, raises
+            ``ValueError``.
         meter_provider: where the ``http.server.request.duration`` histogram is recorded
             (default: the global provider).
         slo: a ``SloPolicy`` (default and per-route latency SLOs); exclusive with
@@ -125,8 +126,27 @@ def _check_types(options: ProfilingOptions) -> None:
             )
 
 
-def _excluded(setting: str, value: object) -> ExcludeList | None:
-    """The ``ExcludeList`` of comma-separated patterns, or ``None`` when there are none.
+class ExcludedUrls(ExcludeList):
+    """The ``excluded_urls`` patterns, each searched in the URL on its own.
+
+    OpenTelemetry's ``ExcludeList`` compiles its patterns joined with ``|``: a leading ``(?i)``
+    then applies to every pattern (or is an error after the first one), and two patterns with a
+    group of one name cannot compile together. Each pattern here means what it means alone. It
+    is an ``ExcludeList`` only so that it goes wherever one does, OpenTelemetry's middlewares
+    included; the joined regex is never built.
+    """
+
+    def __init__(self, patterns: Sequence[re.Pattern[str]]) -> None:
+        self.patterns = tuple(patterns)
+        self._searches = tuple(pattern.search for pattern in self.patterns)
+
+    def url_disabled(self, url: str) -> bool:
+        """Whether any one pattern is found in ``url``."""
+        return any(search(url) is not None for search in self._searches)
+
+
+def _excluded(setting: str, value: object) -> ExcludedUrls | None:
+    """The patterns of a comma-separated ``value``, or ``None`` when there are none.
 
     OpenTelemetry's ``parse_excluded_urls`` keeps blank items: ``"/health,"`` becomes
     ``/health|`` and that empty alternative matches every URL, so one stray comma would turn
@@ -140,21 +160,25 @@ def _excluded(setting: str, value: object) -> ExcludeList | None:
             f"{setting}: expected a comma-separated string of URL patterns, "
             f"got {type(value).__name__} {value!r}"
         )
-    patterns = [item.strip() for item in value.split(",") if item.strip()]
-    for pattern in patterns:
+    compiled: list[re.Pattern[str]] = []
+    for pattern in (item.strip() for item in value.split(",")):
+        if not pattern:
+            continue
         try:
-            compiled = re.compile(pattern)
-        except re.error as exc:
+            regex = re.compile(pattern)
+        # OverflowError: a repeat count too large ("a{4294967296}") is not an re.error.
+        except (re.error, OverflowError, RecursionError) as exc:
             raise ValueError(
                 f"{setting}: {pattern!r} is not a valid regular expression ({exc})"
             ) from None
-        if compiled.search("") is not None:
+        if regex.search("") is not None:
             raise ValueError(
                 f"{setting}: {pattern!r} matches every URL (an empty alternative, as in "
                 "'/health|'?), so no request would be traced; to trace nothing, leave the "
                 "middleware out"
             )
-    return ExcludeList(patterns) if patterns else None
+        compiled.append(regex)
+    return ExcludedUrls(compiled) if compiled else None
 
 
 @dataclass(frozen=True)
@@ -165,7 +189,7 @@ class MiddlewareSettings:
     with_trace_id: bool
     durations: DurationRecorder
     tracer_provider: TracerProvider | None
-    excluded: ExcludeList | None
+    excluded: ExcludedUrls | None
 
     @classmethod
     def build(
