@@ -516,8 +516,12 @@ def test_each_excluded_url_pattern_means_what_it_means_alone(
 @pytest.mark.parametrize(
     ("excluded", "message"),
     [
-        ("/health|", "matches every URL"),
+        ("/health|", "'/health\\|' matches every URL"),
         (".*", "matches every URL"),
+        # Found in every full URL, "http://host/path": the empty string is not enough a probe.
+        ("/", "'/' matches every URL"),
+        ("/health,http", "'http' matches every URL"),
+        (".+", "'\\.\\+' matches every URL"),
         ("/ok,(", "not a valid regular expression"),
         ("*", "not a valid regular expression"),
         # Not an re.error: compiling raises OverflowError.
@@ -528,6 +532,25 @@ def test_an_excluded_url_pattern_that_cannot_work_is_refused(excluded: str, mess
     """A pattern matching every URL, or no regex at all, raises ValueError naming the option."""
     with pytest.raises(ValueError, match=rf"excluded_urls: .*{message}"):
         ProfilingMiddleware(_app_noop, profiler=None, excluded_urls=excluded, environ={})
+
+
+def test_an_excluded_url_pattern_anchored_to_the_root_page_is_accepted(
+    recorder: RecorderBackend,
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+) -> None:
+    """The every-URL check refuses "/", not what excludes the root page alone: "/$"."""
+    calls: list[str] = []
+    app = _counted(build_app(recorder), calls, tracer_provider, excluded_urls="healthz,/$")
+
+    async def main() -> None:
+        async with _client(app) as client:
+            await client.get("/")
+            await client.get("/api/users/1")
+
+    asyncio.run(main())
+    assert calls == ["/", "/api/users/1"]
+    assert [s.name for s in _server_spans(span_exporter)] == ["GET /api/users/{user_id:int}"]
 
 
 async def _app_noop(scope: Any, receive: Any, send: Any) -> None:

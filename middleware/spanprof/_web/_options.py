@@ -145,6 +145,12 @@ class ExcludedUrls(ExcludeList):
         return any(search(url) is not None for search in self._searches)
 
 
+# A pattern found in all of these is taken to match every URL: they differ in scheme and host and
+# path, and share nothing a real exclusion ("/health", "healthz", "/$") could be found in. The
+# empty string is no probe: "^$" matches it and no URL.
+_ANY_URLS = ("http://0/", "https://0/", "http://0/x", "http://a/")
+
+
 def _excluded(setting: str, value: object) -> ExcludedUrls | None:
     """The patterns of a comma-separated ``value``, or ``None`` when there are none.
 
@@ -171,11 +177,15 @@ def _excluded(setting: str, value: object) -> ExcludedUrls | None:
             raise ValueError(
                 f"{setting}: {pattern!r} is not a valid regular expression ({exc})"
             ) from None
-        if regex.search("") is not None:
+        if all(regex.search(url) is not None for url in _ANY_URLS):
+            why = (
+                "an empty alternative, as in '/health|'?"
+                if regex.search("") is not None
+                else "patterns are searched in the whole URL, 'http://host/path?query'"
+            )
             raise ValueError(
-                f"{setting}: {pattern!r} matches every URL (an empty alternative, as in "
-                "'/health|'?), so no request would be traced; to trace nothing, leave the "
-                "middleware out"
+                f"{setting}: {pattern!r} matches every URL ({why}), so no request would be "
+                "traced; to trace nothing, leave the middleware out"
             )
         compiled.append(regex)
     return ExcludedUrls(compiled) if compiled else None
