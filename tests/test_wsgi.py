@@ -9,7 +9,8 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+import types
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -240,6 +241,40 @@ def test_span_name_is_the_route_template_never_the_raw_path(
     assert span.name == name
     assert span.attributes is not None
     assert span.attributes.get("http.route") == route
+
+
+def test_django_request_for_the_script_name_prefix_itself_is_named_as_its_root(
+    django_settings: None, tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
+) -> None:
+    """Under SCRIPT_NAME "/app", a request for "/app" has an empty PATH_INFO: Django routes it
+    as "/", and the span and labels are named after the route Django serves."""
+    from django.http import HttpRequest, JsonResponse
+    from django.test.utils import override_settings
+    from django.urls import path
+
+    def home(request: HttpRequest) -> JsonResponse:
+        return JsonResponse(snapshot())
+
+    urlconf = types.ModuleType("spanprof_script_name_urls")
+    urlconf.urlpatterns = [path("", home)]  # type: ignore[attr-defined]
+    app = django_project.django_application(
+        profiler=None, tracer_provider=tracer_provider, environ={}
+    )
+    statuses: list[str] = []
+
+    def start_response(status: str, headers: Any, exc_info: Any = None) -> Callable[[bytes], None]:
+        statuses.append(status)
+        return lambda data: None
+
+    # Built by hand: an HTTP client's URL always has a path, so PATH_INFO is never empty.
+    environ: dict[str, Any] = {"QUERY_STRING": "", "SCRIPT_NAME": "/app", "PATH_INFO": ""}
+    setup_testing_defaults(environ)
+    with override_settings(ROOT_URLCONF=urlconf):
+        body = b"".join(app(environ, start_response))
+    assert statuses == ["200 OK"]
+    (span,) = server_spans(span_exporter)
+    assert span.name == "GET /"
+    assert json.loads(body)["labels"]["span_name"] == "GET /"
 
 
 def test_routes_are_found_through_wrapping_middleware(

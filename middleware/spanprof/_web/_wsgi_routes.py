@@ -273,7 +273,9 @@ def django_route_resolver(urlconf: str | None = None) -> WSGIRouteResolver:
         return route if isinstance(route, str) else None
 
     def resolve(environ: WSGIEnvironment) -> str | None:
-        route = route_in(get_resolver(urlconf), get_path_info(environ))
+        # WSGIRequest's path_info: a request for the SCRIPT_NAME prefix itself ("/app", with an
+        # empty PATH_INFO) is routed as "/".
+        route = route_in(get_resolver(urlconf), get_path_info(environ) or "/")
         return None if route is None else "/" + route.removeprefix("^")
 
     return resolve
