@@ -353,6 +353,91 @@ def test_django_converters_run_once_per_request_and_by_django(
     assert [r.getMessage() for r in caplog.records if r.name.startswith("spanprof")] == []
 
 
+I18N_CASES = [
+    # (prefix_default_language, [(path, status, route or None)]): the languages alternate, as
+    # the thread's active language is the previous request's when the next one is named.
+    (
+        True,
+        [
+            ("/fr/items/1/", 200, "/fr/items/<int:id>/"),
+            ("/en/items/2/", 200, "/en/items/<int:id>/"),
+            ("/fr/shop/cart/", 200, "/fr/shop/cart/"),
+            ("/items/4/", 302, None),  # LocaleMiddleware redirects to /en/items/4/
+        ],
+    ),
+    (
+        False,
+        [
+            ("/fr/items/1/", 200, "/fr/items/<int:id>/"),
+            ("/items/2/", 200, "/items/<int:id>/"),
+            ("/fr/shop/cart/", 200, "/fr/shop/cart/"),
+            ("/en/items/4/", 404, None),  # the default language has no prefix
+            ("/shop/cart/", 200, "/shop/cart/"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("prefix_default_language", "requests"), I18N_CASES)
+def test_django_i18n_patterns_are_named_in_the_language_of_the_request(
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    prefix_default_language: bool,
+    requests: list[tuple[str, int, str | None]],
+) -> None:
+    """``i18n_patterns`` routes are named as Django's ``resolver_match.route`` names them for
+    the request's language, never after the language of the thread's previous request."""
+    require(importlib.util.find_spec("django") is not None, "django is not installed")
+    from django.conf.urls.i18n import i18n_patterns
+    from django.core.handlers.wsgi import WSGIHandler
+    from django.http import HttpRequest, JsonResponse
+    from django.test.utils import override_settings
+    from django.urls import include, path
+    from django.utils import translation
+
+    from .e2e import django_project
+
+    django_project.configure()
+
+    def view(request: HttpRequest, **kwargs: Any) -> JsonResponse:
+        assert request.resolver_match is not None
+        return JsonResponse({**_labels(), "route": request.resolver_match.route})
+
+    urlconf = types.ModuleType("spanprof_i18n_urls")
+    urlconf.urlpatterns = i18n_patterns(  # type: ignore[attr-defined]
+        path("items/<int:id>/", view),
+        path("shop/", include([path("cart/", view)])),
+        prefix_default_language=prefix_default_language,
+    )
+    bodies = []
+    try:
+        with override_settings(
+            ROOT_URLCONF=urlconf,
+            MIDDLEWARE=["django.middleware.locale.LocaleMiddleware"],
+            LANGUAGE_CODE="en",
+            LANGUAGES=[("en", "English"), ("fr", "French")],
+        ):
+            app = WSGIProfilingMiddleware(
+                WSGIHandler(), profiler=None, tracer_provider=tracer_provider, environ={}
+            )
+            with httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://t") as http:
+                for url, status, _ in requests:
+                    response = http.get(url)
+                    assert response.status_code == status, url
+                    if status == 200:
+                        bodies.append(response.json())
+    finally:
+        translation.deactivate()  # LocaleMiddleware leaves the last request's language active
+    names = [f"GET {route or '<unmatched>'}" for _, _, route in requests]
+    assert [s.name for s in server_spans(span_exporter)] == names
+    # Django's own route for each request, with the leading "/" spanprof adds.
+    assert bodies == [
+        {"span_name": f"GET {route}", "route": route[1:]}
+        for _, status, route in requests
+        if route is not None
+    ]
+
+
 # FastAPI's "bigger applications" layout: routers in their own modules, included by the app.
 
 

@@ -218,15 +218,23 @@ def django_route_resolver(urlconf: str | None = None) -> WSGIRouteResolver:
     rejects a value (raises ``ValueError``): Django goes on to the next pattern (often none:
     a 404), spanprof names the request after the pattern whose regex matched.
 
+    ``i18n_patterns`` routes are matched, and named, in the language ``LocaleMiddleware`` is
+    about to activate for the request: the language of the path's prefix, else
+    ``LANGUAGE_CODE``. As Django names them, the route has the prefix: ``/fr/items/<int:id>/``,
+    and none for the default language when ``prefix_default_language=False``.
+
     Arguments:
         urlconf: the URLconf module to resolve against.
     """
+    from django.conf import settings
     from django.core.handlers.wsgi import get_path_info
     from django.urls import Resolver404, URLPattern, URLResolver, get_resolver
-    from django.urls.resolvers import RoutePattern
+    from django.urls.resolvers import LocalePrefixPattern, RoutePattern
+    from django.utils.translation import get_language, get_language_from_path, override
 
-    def route_in(resolver: Any, path: str) -> str | None:
-        """``URLResolver.resolve``'s route for ``path``, without converting."""
+    def route_in(resolver: Any, path: str, whole: str) -> str | None:
+        """``URLResolver.resolve``'s route for ``path`` (of the request's ``whole`` path),
+        without converting."""
         rest = match(resolver.pattern, path)
         if rest is None:
             return None
@@ -237,7 +245,12 @@ def django_route_resolver(urlconf: str | None = None) -> WSGIRouteResolver:
                 if match(pattern.pattern, rest) is not None:
                     return str(pattern.pattern)
             elif kind is URLResolver:
-                sub = route_in(pattern, rest)
+                if type(pattern.pattern) is LocalePrefixPattern:
+                    sub = localized_route(pattern, rest, whole)
+                    if sub is not None:
+                        return sub
+                    continue
+                sub = route_in(pattern, rest, whole)
                 if sub is not None:
                     return join(str(pattern.pattern), sub)
             else:
@@ -247,6 +260,25 @@ def django_route_resolver(urlconf: str | None = None) -> WSGIRouteResolver:
                     own = "" if isinstance(pattern, URLPattern) else str(pattern.pattern)
                     return join(own, sub)
         return None
+
+    def localized_route(resolver: Any, path: str, whole: str) -> str | None:
+        """The route of an ``i18n_patterns`` resolver, in the request's language."""
+        # LocalePrefixPattern matches, and reads as, the active language's prefix (translated
+        # routes: their active translation), but LocaleMiddleware activates the request's
+        # language only after this naming ran: until then the thread has its previous
+        # request's. LocaleMiddleware's choice: the path's language, else LANGUAGE_CODE with
+        # prefix_default_language=False. With True, it picks from cookie or headers, but a
+        # path with no language of LANGUAGES as its prefix matches none of their prefixes:
+        # LANGUAGE_CODE's fails it alike, without parsing the request.
+        language = get_language_from_path(whole) or settings.LANGUAGE_CODE
+        if get_language() == language:  # the common case: the thread served this language
+            return in_language(resolver, path, whole)
+        with override(language):
+            return in_language(resolver, path, whole)
+
+    def in_language(resolver: Any, path: str, whole: str) -> str | None:
+        sub = route_in(resolver, path, whole)
+        return None if sub is None else join(str(resolver.pattern), sub)
 
     def join(route: str, sub: str) -> str:
         # URLResolver._join_route.
@@ -275,7 +307,8 @@ def django_route_resolver(urlconf: str | None = None) -> WSGIRouteResolver:
     def resolve(environ: WSGIEnvironment) -> str | None:
         # WSGIRequest's path_info: a request for the SCRIPT_NAME prefix itself ("/app", with an
         # empty PATH_INFO) is routed as "/".
-        route = route_in(get_resolver(urlconf), get_path_info(environ) or "/")
+        path = get_path_info(environ) or "/"
+        route = route_in(get_resolver(urlconf), path, path)
         return None if route is None else "/" + route.removeprefix("^")
 
     return resolve
