@@ -885,7 +885,7 @@ def test_nested_layers_leave_a_sampled_out_outer_request_alone(
 def test_a_nested_layer_never_starts_its_profiler_for_the_outer_ones_requests() -> None:
     """A sub-app's layer with a profiler of its own passes the outer layer's requests through
     untouched: starting its backend there took the label engine from the outer profiler."""
-    from spanprof.engine import installed_backend
+    from spanprof.engine import installed_backend, uninstall_label_engine
 
     outer, inner = spanprof.RecorderBackend(), spanprof.RecorderBackend()
     sub = ProfilingMiddleware(
@@ -904,5 +904,4 @@ def test_a_nested_layer_never_starts_its_profiler_for_the_outer_ones_requests() 
         assert installed_backend() is outer
         assert (outer.started, inner.started) == (1, 0)
     finally:
-        outer.shutdown()
-        inner.shutdown()
+        uninstall_label_engine()
