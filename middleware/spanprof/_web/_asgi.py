@@ -15,7 +15,6 @@ from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from opentelemetry.instrumentation.asgi import get_host_port_url_tuple as _untyped_url_tuple
 from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.trace import INVALID_SPAN, Span
-from opentelemetry.util.http import ExcludeList
 
 from .._labels._backend import ProfilerBackend, SpanUsage
 from .._labels._engine import apply, attach_loop, run_steps_hooked, steps_hooked
@@ -24,7 +23,7 @@ from .._logging import log_once
 from .._profiling._runtime import ProfilerRuntime
 from .._signals._duration import DurationRecorder
 from .._types import ASGIApp, Message, Receive, Scope, Send
-from ._options import MiddlewareSettings, ProfilingOptions
+from ._options import ExcludedUrls, MiddlewareSettings, ProfilingOptions
 from ._routes import (
     UNMATCHED,
     fastapi_telemetry_naming,
@@ -441,7 +440,7 @@ class ProfilingMiddleware:
             return None
 
     @staticmethod
-    def _is_excluded(excluded: ExcludeList, scope: Scope) -> bool:
+    def _is_excluded(excluded: ExcludedUrls, scope: Scope) -> bool:
         try:
             return bool(excluded.url_disabled(_host_port_url(scope)[2]))
         except Exception:  # an undecodable Host header: OTel copes with it (see _sanitized)

@@ -16,7 +16,6 @@ from typing import TypedDict
 
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
-from opentelemetry.util.http import ExcludeList
 
 from .._config import parse_bool
 from .._env import env_value
@@ -126,14 +125,12 @@ def _check_types(options: ProfilingOptions) -> None:
             )
 
 
-class ExcludedUrls(ExcludeList):
+class ExcludedUrls:
     """The ``excluded_urls`` patterns, each searched in the URL on its own.
 
     OpenTelemetry's ``ExcludeList`` compiles its patterns joined with ``|``: a leading ``(?i)``
     then applies to every pattern (or is an error after the first one), and two patterns with a
-    group of one name cannot compile together. Each pattern here means what it means alone. It
-    is an ``ExcludeList`` only so that it goes wherever one does, OpenTelemetry's middlewares
-    included; the joined regex is never built.
+    group of one name cannot compile together. Each pattern here means what it means alone.
     """
 
     def __init__(self, patterns: Sequence[re.Pattern[str]]) -> None:
