@@ -308,7 +308,9 @@ def test_otlp_exporter_carries_the_breach_exemplars(
     assert exemplars[0].as_double > 0.05
 
 
-def _prometheus_app(tracer_provider: TracerProvider, mount: bool = False) -> tuple[Any, Any]:
+def _prometheus_app(
+    tracer_provider: TracerProvider, mount: bool = False, slo_seconds: float = 10
+) -> tuple[Any, Any]:
     from starlette.routing import Mount
 
     from spanprof import PrometheusMetrics
@@ -323,7 +325,7 @@ def _prometheus_app(tracer_provider: TracerProvider, mount: bool = False) -> tup
         Starlette(routes=[Route("/checkout", _sleepy), endpoint]),
         profiler=None,
         tracer_provider=tracer_provider,
-        slo_seconds=10,
+        slo_seconds=slo_seconds,
         prometheus=metrics,
         environ={},
     )
@@ -365,6 +367,28 @@ def test_prometheus_scrapes_through_an_old_style_mount_are_not_observed(
     app, metrics = _prometheus_app(tracer_provider, mount=True)
     assert _run(app, ["/metrics/", "/checkout"]) == [200, 200]
     assert _scrape_routes(metrics) == {"/checkout"}
+
+
+def test_prometheus_exemplars_only_for_sampled_traces(tracer_provider: TracerProvider) -> None:
+    """A breach in a sampled-out trace leaves no exemplar: its span is never exported, so the
+    exemplar would point at a trace no backend has, and Prometheus keeps one exemplar per
+    bucket: it replaced the sampled breach's. (The OTel histogram's filter already did this.)"""
+    app, _metrics = _prometheus_app(tracer_provider, slo_seconds=1e-9)
+    sampled, sampled_out = "ab" * 15 + "01", "ab" * 15 + "00"
+
+    async def main() -> str:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            for trace_id, flags in ((sampled, "01"), (sampled_out, "00")):
+                parent = f"00-{trace_id}-cdcdcdcdcdcdcdcd-{flags}"
+                response = await client.get("/checkout", headers={"traceparent": parent})
+                assert response.status_code == 200
+            accept = {"accept": "application/openmetrics-text; version=1.0.0"}
+            return (await client.get("/metrics", headers=accept)).text
+
+    text = asyncio.run(main())
+    assert f'trace_id="{sampled}"' in text
+    assert sampled_out not in text
 
 
 def test_prometheus_path_must_be_a_route() -> None:

@@ -92,7 +92,9 @@ class PrometheusMetrics:
         exemplar = None
         if breached is not None:
             ctx = breached.get_span_context()
-            if ctx.is_valid:
+            # A sampled-out span is never exported: its exemplar would point at no trace, and
+            # would replace the bucket's one exemplar (a sampled breach's, perhaps).
+            if ctx.is_valid and ctx.trace_flags.sampled:
                 exemplar = {
                     "trace_id": format(ctx.trace_id, "032x"),
                     "span_id": format(ctx.span_id, "016x"),
