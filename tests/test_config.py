@@ -175,6 +175,15 @@ def test_a_password_with_a_newline_is_refused_without_showing_it() -> None:
     assert "s3cr3t" not in str(info.value)
 
 
+@pytest.mark.parametrize("variable", ["PYROSCOPE_BASIC_AUTH_USER", "PYROSCOPE_BASIC_AUTH_PASSWORD"])
+def test_a_credential_with_an_undecodable_byte_is_refused_without_showing_it(variable: str) -> None:
+    """A byte that is not UTF-8 (a surrogate in os.environ) would fail every Basic token."""
+    env = {"PYROSCOPE_SERVER_ADDRESS": "http://p:4040", variable: "s3cr\udce9t"}
+    with pytest.raises(ValueError, match=f"{variable}.*UTF-8") as info:
+        ExactBackend.from_env(env)
+    assert "s3cr" not in str(info.value)
+
+
 @pytest.mark.parametrize("address", ["http://p:99999", "http://p:0", "http://p:x", "http://:4040"])
 def test_a_bad_port_or_host_is_refused_at_configuration(address: str) -> None:
     """An address the uploader could not connect to raises ValueError naming the setting."""

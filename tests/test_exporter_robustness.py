@@ -9,23 +9,27 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from types import CodeType
 from typing import Any
 
 import pytest
 
+from spanprof._labels._labelset import LabelSet
 from spanprof._local._receiver import PushReceiver
 from spanprof._profiling._encoders._window import series_labels
 from spanprof._profiling._exporters._interval import IntervalExporter
 from spanprof._profiling._exporters._otlp import OtlpExporter, OtlpSettings
 from spanprof._profiling._exporters._pusher import Pusher
+from spanprof._profiling._window import Window
 
 from .e2e.faults import faulty_endpoint, read_request
-from .exporting import CountingWindows, log_messages, wait_until
+from .exporting import CountingWindows, log_messages, one_sample_window, wait_until
 from .otlp_profiles import OtlpProfilesReceiver
 
 OTLP_PATH = "/v1development/profiles"
@@ -163,6 +167,39 @@ def test_no_exception_ends_the_upload_thread(kind: Kind, caplog: pytest.LogCaptu
             finally:
                 exporter.stop()
     assert len(log_messages(caplog, "goes on with the next window")) == 1
+
+
+# --- names Python decoded with surrogateescape -------------------------------------------------
+
+# A module imported from a directory whose name is not UTF-8 (b"caf\xe9"): Python decodes the
+# byte to a lone surrogate in co_filename, which UTF-8 cannot encode.
+_LEGACY_CODE = compile("def work():\n    return 1\n", "/srv/caf\udce9/legacy.py", "exec")
+_LEGACY_WORK = next(c for c in _LEGACY_CODE.co_consts if isinstance(c, CodeType))
+
+
+def _window_with_an_undecodable_frame() -> Window:
+    window = one_sample_window()
+    tables = window.tables
+    work = _LEGACY_WORK.replace(co_name="w\udcffrk")
+    if sys.version_info >= (3, 11):  # the qualified name is the one reported from 3.11 on
+        work = work.replace(co_qualname="w\udcffrk")
+    sid = tables.stack_of((tables.raw_frame(work, 0, 2),))
+    window.values[(sid, LabelSet())] = 10_000_000
+    return window
+
+
+def test_a_frame_from_a_non_utf8_path_is_sent_with_the_rest_of_its_window(kind: Kind) -> None:
+    """A surrogate in a frame's file or function name is spelled out; the window is not dropped."""
+    with kind.receiver() as receiver:
+        exporter = kind.make(receiver.url, upload_interval=3600)
+        exporter.start(_window_with_an_undecodable_frame)
+        exporter.stop()
+        samples = receiver.samples()
+    assert kind.stat(exporter, "errors") == 0
+    assert kind.stat(exporter, "dropped") == 0
+    frames = {(f.function, f.filename) for s in samples for f in s.stack}
+    assert ("w\\xffrk", "/srv/caf\\xe9/legacy.py") in frames, frames
+    assert any(s.has_function("_leaf") for s in samples), samples
 
 
 # --- 8. slow and huge answers --------------------------------------------------------------------

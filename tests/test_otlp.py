@@ -176,6 +176,27 @@ def test_resource_is_the_global_tracer_providers_when_it_is_an_sdk_one(
     assert current_resource_attributes()["service.name"] == "from-env"
 
 
+def test_a_resource_attribute_from_an_undecodable_variable_is_sent_spelled_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OTEL_RESOURCE_ATTRIBUTES with a byte that is not UTF-8 does not fail every window."""
+    from opentelemetry import trace
+
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: trace.NoOpTracerProvider())
+    # What os.environ holds for team=caf\xe9 (surrogateescape), as the SDK reads it.
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "team=caf\udce9,caf\udce9=1")
+    with OtlpProfilesReceiver() as receiver:
+        exporter = _exporter(receiver.url, resource_attributes=current_resource_attributes)
+        exporter.start(_windows(lambda n: _window((_labels(n), 10_000_000))))
+        exporter.stop()
+        requests = receiver.requests()
+    assert exporter.stats()["otlp_errors"] == 0
+    (request,) = requests
+    attributes = resource_attributes(request)
+    assert attributes["team"] == "caf\\xe9"
+    assert attributes["caf\\xe9"] == "1"
+
+
 def _deep_stacks(tables: StackTables, count: int) -> list[int]:
     """``count`` distinct stacks of 48 frames each."""
     codes = [fn.__code__ for fn in (_leaf, _root, _labels, _window, _encode, flatten)]

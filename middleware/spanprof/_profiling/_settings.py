@@ -197,6 +197,13 @@ def _check_credential(name: str, value: str, *, colon: bool) -> str:
             f"{name}: contains a control character (a trailing newline from a file?); "
             "basic auth would fail with it"
         )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # An undecodable byte in the variable (surrogateescape): the Basic token is UTF-8.
+        raise ValueError(
+            f"{name}: is not valid UTF-8 (an undecodable byte?); basic auth would fail with it"
+        ) from None
     if not colon and ":" in value:
         raise ValueError(f"{name}: a basic-auth user name cannot contain ':'")
     return value

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from .._labels._labelset import LabelSet
 
-__all__ = ["Frame", "MemoryWindow", "StackTables", "Window", "code_name"]
+__all__ = ["Frame", "MemoryWindow", "StackTables", "Window", "code_name", "utf8_text"]
 
 
 class Frame(NamedTuple):
@@ -35,6 +35,32 @@ def code_name(code: CodeType) -> str:
     return name
 
 
+def utf8_text(text: str) -> str:
+    """``text`` if UTF-8 can encode it, else with each lone surrogate spelled out.
+
+    Every string of a profile goes on the wire as UTF-8, where a lone surrogate raises and
+    would fail the whole window. Python makes them from undecodable bytes (``surrogateescape``:
+    a module under a non-UTF-8 directory has ``caf\\udce9`` in its ``co_filename``); such a
+    byte becomes ``\\xe9``, so two names that differ in it stay two names.
+    """
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            raw = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate no undecodable byte gives (\ud800)
+            return text.encode("utf-8", "backslashreplace").decode("utf-8")
+        return raw.decode("utf-8", "backslashreplace")
+    return text
+
+
+def _frame(code: CodeType, line: int) -> Frame:
+    # Once a frame, where it is interned: the encoders then write its strings as they are.
+    return Frame(utf8_text(code_name(code)), utf8_text(code.co_filename), line)
+
+
 class StackTables:
     """Interned frames and stacks, shared by consecutive windows."""
 
@@ -51,9 +77,8 @@ class StackTables:
     def add_frame(self, key: tuple[int, int], frame: FrameType) -> int:
         code = frame.f_code
         self.code_refs[key[0]] = code
-        name = code_name(code)
         fid = len(self.frames)
-        self.frames.append(Frame(name, code.co_filename, frame.f_lineno or code.co_firstlineno))
+        self.frames.append(_frame(code, frame.f_lineno or code.co_firstlineno))
         self.frame_ids[key] = fid
         return fid
 
@@ -62,9 +87,8 @@ class StackTables:
         fid = self.frame_ids.get(key)
         if fid is None:
             self.code_refs[key[0]] = code
-            name = code_name(code)
             fid = len(self.frames)
-            self.frames.append(Frame(name, code.co_filename, line))
+            self.frames.append(_frame(code, line))
             self.frame_ids[key] = fid
         return fid
 

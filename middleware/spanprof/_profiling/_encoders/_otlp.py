@@ -42,7 +42,7 @@ from typing import Generic, TypeVar
 
 from ..._labels._labelset import LabelSet
 from ..._version import __version__
-from .._window import Frame, Window
+from .._window import Frame, Window, utf8_text
 from ._memory import MEMORY_PERIOD_TYPE, MEMORY_SAMPLE_TYPES
 from ._pprof import Profile, Sample
 from ._protowire import (
@@ -162,14 +162,15 @@ def _any_value(value: object) -> bytes:
         put_tag(out, _AV_DOUBLE, 1)
         out += struct.pack("<d", value)
     elif isinstance(value, str):
-        put_string_field(out, _AV_STRING, value)
+        # OTEL_RESOURCE_ATTRIBUTES is decoded with surrogateescape like any variable.
+        put_string_field(out, _AV_STRING, utf8_text(value))
     elif isinstance(value, Sequence):
         array = bytearray()
         for item in value:
             put_bytes_field(array, _ARRAY_VALUES, _any_value(item))
         put_bytes_field(out, _AV_ARRAY, array)
     else:
-        put_string_field(out, _AV_STRING, str(value))
+        put_string_field(out, _AV_STRING, utf8_text(str(value)))
     return bytes(out)
 
 
@@ -178,7 +179,7 @@ def encode_resource(attributes: Mapping[str, object]) -> bytes:
     out = bytearray()
     for key, value in attributes.items():
         kv = bytearray()
-        put_string_field(kv, _KV_KEY, key)
+        put_string_field(kv, _KV_KEY, utf8_text(key))
         put_bytes_field(kv, _KV_VALUE, _any_value(value))
         put_bytes_field(out, _RESOURCE_ATTRIBUTES, kv)
     return bytes(out)
