@@ -324,6 +324,16 @@ def test_headers_and_retry_after_parse_like_the_specs() -> None:
     assert retry_after("Wed, 21 Oct 2015 07:28:30 GMT", now=1445412500.0) == pytest.approx(10.0)
 
 
+_YEAR_PAST_DATETIME = "Mon, 01 Jan 99999999999999999999 00:00:00 GMT"
+
+
+@pytest.mark.parametrize("value", ["\xb2", "\u0663", _YEAR_PAST_DATETIME])
+def test_a_retry_after_that_does_not_parse_is_none(value: str) -> None:
+    """A superscript or Arabic-Indic digit (isdigit() takes it, float() does not), or a date
+    past datetime's range, asks for no particular wait."""
+    assert retry_after(value) is None
+
+
 @pytest.mark.parametrize(
     ("value", "problem"),
     [
@@ -566,6 +576,23 @@ def test_exporter_retries_only_the_retryable_statuses() -> None:
         assert receiver.attempts == 1
         stats = exporter.stats()
         assert (stats["otlp_rejected"], stats["otlp_retries"], stats["otlp_uploads"]) == (1, 0, 0)
+
+
+@pytest.mark.usefixtures("fresh_log_once")  # its retries must not silence later tests' logs
+@pytest.mark.parametrize("value", ["\xb2", _YEAR_PAST_DATETIME])
+def test_an_answer_whose_retry_after_does_not_parse_is_retried(value: str) -> None:
+    """A 503 with such a Retry-After is retried after the back-off, not dropped as an error."""
+    with OtlpProfilesReceiver([Response(503, (("Retry-After", value),))]) as receiver:
+        exporter = _exporter(receiver.url, upload_interval=0.1)
+        windows = iter([_window((_labels(0), 5))])
+        exporter.start(lambda: next(windows, Window(time.time_ns(), StackTables())))
+        deadline = time.monotonic() + 10
+        while not receiver.received and time.monotonic() < deadline:
+            time.sleep(0.02)
+        exporter.stop()
+    stats = exporter.stats()
+    assert (stats["otlp_errors"], stats["otlp_dropped"]) == (0, 0)
+    assert (stats["otlp_retries"], stats["otlp_uploads"]) == (1, 1)
 
 
 def test_exporter_counts_a_partial_success() -> None:

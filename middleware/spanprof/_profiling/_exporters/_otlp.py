@@ -270,14 +270,17 @@ def retry_after(value: str | None, now: float | None = None) -> float | None:
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    # isdigit() alone takes "²" and other digits float() refuses: a header the server sent
+    # must never raise in the export thread, which would drop the window instead of retrying.
+    if value.isascii() and value.isdigit():
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+        seconds = when.timestamp()
+    except (TypeError, ValueError, OverflowError, OSError):  # a year past datetime's range...
         return None
     wall = time.time() if now is None else now
-    return max(0.0, when.timestamp() - wall)
+    return max(0.0, seconds - wall)
 
 
 def rejected_profiles(body: bytes) -> tuple[int, str]:
