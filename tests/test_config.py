@@ -245,6 +245,41 @@ def test_reprs_never_show_the_password(make: Callable[[], object]) -> None:
     assert "server_address='http://p:4040'" in text, text
 
 
+_TOKEN_ADDRESS = "https://glc_s3cr3tt0ken@p:4040"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(
+            lambda: PyroscopeSettings(server_address=_TOKEN_ADDRESS, application_name="a"),
+            id="settings",
+        ),
+        pytest.param(
+            lambda: PyroscopeSettings.from_env({"PYROSCOPE_SERVER_ADDRESS": _TOKEN_ADDRESS}),
+            id="from_env",
+        ),
+        pytest.param(
+            lambda: ExactBackend(server_address=_TOKEN_ADDRESS, application_name="a"), id="exact"
+        ),
+        pytest.param(
+            lambda: PyroscopeBackend(server_address=_TOKEN_ADDRESS, application_name="a"),
+            id="pyroscope",
+            marks=pytest.mark.needs_agent,
+        ),
+    ],
+)
+def test_reprs_never_show_a_token_given_as_the_user_name(make: Callable[[], object]) -> None:
+    """https://TOKEN@host: the user name without a password is masked as a password is."""
+    made = make()
+    text = repr(made)
+    assert "s3cr3t" not in text, text
+    assert "basic_auth_username='***'" in text, text
+    assert "server_address='https://p:4040'" in text, text
+    # Masked only when shown: it is still sent.
+    assert made.basic_auth_username == "glc_s3cr3tt0ken"  # type: ignore[attr-defined]
+
+
 # --- a variable set but blank (compose's `VAR: ""`) is a variable left unset --------------------
 
 _BLANK_IS_UNSET = [

@@ -93,7 +93,8 @@ class PyroscopeSettings:
         return f"PyroscopeSettings({self.describe()})"
 
     def describe(self) -> str:
-        """The settings as ``name=value, ...``, with the password shown as ``'***'``."""
+        """The settings as ``name=value, ...``, with the password shown as ``'***'``, and the
+        user name too when it comes without a password."""
         shown: dict[str, object] = {
             **asdict(self),
             "server_address": redact_url(self.server_address),
@@ -101,6 +102,9 @@ class PyroscopeSettings:
         }
         if self.basic_auth_password:
             shown["basic_auth_password"] = "***"
+        elif self.basic_auth_username:
+            # Alone it is most often a token (https://TOKEN@host), as redact_url assumes.
+            shown["basic_auth_username"] = "***"
         return ", ".join(f"{name}={value!r}" for name, value in shown.items())
 
     @classmethod
