@@ -293,6 +293,19 @@ def test_bad_settings_raise_naming_the_variable(variable: str, value: str) -> No
 
 
 @pytest.mark.parametrize(
+    "base", ["http://collector:4318/?tenant=a", "http://collector:4318?tenant=a", "http://c:4318/?"]
+)
+def test_a_base_endpoint_with_a_query_is_refused_naming_the_variable(base: str) -> None:
+    """The signal's path would be appended inside the query: refused, as the Pyroscope
+    address's query is, while a full profiles endpoint keeps its query."""
+    with pytest.raises(ValueError, match=r"OTEL_EXPORTER_OTLP_ENDPOINT.*query"):
+        OtlpSettings.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": base})
+    full = "http://collector:4318/v1development/profiles?tenant=a"
+    settings = OtlpSettings.from_env({"OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT": full})
+    assert settings.endpoint == full
+
+
+@pytest.mark.parametrize(
     "value",
     [
         "x-tenánt=a",

@@ -240,6 +240,13 @@ class OtlpSettings:
         else:
             base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or _DEFAULT_ENDPOINT
             check_url("OTEL_EXPORTER_OTLP_ENDPOINT", base)
+            if "?" in base:
+                # The signal's path goes after the base: it would land inside the query.
+                raise ValueError(
+                    f"OTEL_EXPORTER_OTLP_ENDPOINT={redact_url(base)!r}: the base endpoint must "
+                    "not have a ?query (a full URL with one goes in "
+                    "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT)"
+                )
             endpoint = base.rstrip("/") + OTLP_PROFILES_PATH
         name, raw_headers = _variable(env, "HEADERS")
         headers = parse_headers(name, raw_headers)
