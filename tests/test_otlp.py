@@ -996,6 +996,43 @@ def test_grpc_settings_from_the_environment() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    "target", ["collector:4317/otlp", "collector:4317//", "collector:4317?x=1"]
+)
+@pytest.mark.parametrize(
+    "variable", ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT"]
+)
+def test_a_grpc_target_with_a_path_is_refused_naming_the_variable(
+    variable: str, target: str
+) -> None:
+    """host:port/path would be the channel's target verbatim and never connect."""
+    _require_grpc()
+    with pytest.raises(ValueError, match=f"{variable}.*without a path"):
+        OtlpSettings.from_env({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", variable: target})
+    with pytest.raises(ValueError, match="endpoint"):
+        OtlpSettings(endpoint=target, protocol="grpc")
+
+
+def test_a_grpc_target_with_one_trailing_slash_connects() -> None:
+    """host:port/ is host:port: the export reaches the server."""
+    _require_grpc()
+    with GrpcProfilesReceiver() as receiver:
+        settings = OtlpSettings.from_env(
+            {
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"127.0.0.1:{receiver.port}/",
+                "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            }
+        )
+        exporter = OtlpExporter(
+            settings, upload_interval=60.0, resource_attributes=lambda: RESOURCE
+        )
+        exporter.start(_windows(lambda n: _window((_labels(n), 5))))
+        exporter.stop()
+    assert exporter.stats()["otlp_uploads"] == 1
+    assert len(receiver.requests) == 1
+
+
 def test_grpc_endpoint_credentials_go_as_authorization_metadata() -> None:
     """Over gRPC the endpoint's user:password@ is the same Basic authorization, as metadata,
     and the channel's target is the bare host:port."""

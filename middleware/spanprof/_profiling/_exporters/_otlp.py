@@ -93,6 +93,13 @@ def _check_target(name: str, value: str) -> str:
     problem = url_problem(f"http://{value}")
     if problem is not None:
         raise ValueError(f"{name}={value!r}: expected host:port or a URL; {problem}")
+    # The whole value becomes the channel's target, which names no path: a channel to
+    # "host:port/otlp" never connects, and every export would be retried until dropped.
+    if urlsplit(f"http://{value}").path not in ("", "/") or "?" in value:
+        raise ValueError(
+            f"{name}={value!r}: a gRPC endpoint is host:port (or http(s)://host:port), "
+            "without a path or ?query"
+        )
     return value
 
 
