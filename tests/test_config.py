@@ -406,6 +406,22 @@ def test_an_address_the_uploaders_cannot_extend_is_refused(address: str, what: s
     assert what in str(info.value)
 
 
+@pytest.mark.parametrize("host", ["b\u00fccher..example", "\u00fc" + "a" * 70 + ".example"])
+def test_a_host_name_idna_cannot_encode_is_refused_naming_the_setting(host: str) -> None:
+    """http.client encodes a non-ASCII host with the idna codec at every upload; a name it
+    refuses failed every one of them as an unexpected error."""
+    address = f"http://{host}:4040"
+    with pytest.raises(ValueError, match="PYROSCOPE_SERVER_ADDRESS") as info:
+        PyroscopeSettings.from_env({"PYROSCOPE_SERVER_ADDRESS": address})
+    assert "internationalized domain name" in str(info.value)
+    with pytest.raises(ValueError, match="server_address"):
+        ExactBackend(server_address=address, application_name="a")
+    accepted = PyroscopeSettings(
+        server_address="http://b\u00fccher.example:4040", application_name="a"
+    )
+    assert accepted.server_address == "http://b\u00fccher.example:4040"
+
+
 def test_bracketed_ipv6_hosts_are_accepted() -> None:
     """An IPv6 literal, with or without a zone, is a host like any other."""
     for address in ("http://[::1]:4040", "http://[fe80::1%25eth0]:4040", "https://u:p@[::1]"):

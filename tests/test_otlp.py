@@ -358,6 +358,7 @@ def test_a_retry_after_that_does_not_parse_is_none(value: str) -> None:
         ("http://[collector]:4318", "IPv6"),
         ("http://u:s3k/r1t@collector:4318", "percent-encode"),
         ("http://collector:4318/v1/pr\u00f6files", "non-ASCII"),
+        ("http://b\u00fccher..example:4318", "internationalized domain name"),
     ],
 )
 @pytest.mark.parametrize(

@@ -136,6 +136,16 @@ def url_problem(url: str) -> str | None:
     if "%" in hostport.rpartition("]")[2].partition(":")[0]:
         # Outside an IPv6 literal's zone (`[fe80::1%25eth0]`), resolvers take `%` literally.
         return "a host name must not be percent-encoded"
+    if not parts.hostname.isascii():
+        try:
+            # What http.client and the resolver do with a non-ASCII name (IDNA 2003); a name
+            # it refuses (an empty or 64+ character label) would fail every upload instead.
+            parts.hostname.encode("idna")
+        except UnicodeError:
+            return (
+                "the host name is not a valid internationalized domain name (each label 1 to "
+                "63 characters, no empty label)"
+            )
     if url.endswith("#") or parts.fragment:
         # A fragment never reaches the server; what comes after it would not either.
         return "the URL must not have a #fragment"
