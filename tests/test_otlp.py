@@ -38,7 +38,7 @@ from spanprof._profiling._window import StackTables, Window
 from spanprof._version import __version__
 
 from .e2e.server import free_port
-from .exporting import GZIP_FASTEST, timed_steps
+from .exporting import GZIP_FASTEST, log_messages, timed_steps
 from .otlp_profiles import (
     GrpcProfilesReceiver,
     OtlpProfilesReceiver,
@@ -195,6 +195,46 @@ def test_a_resource_attribute_from_an_undecodable_variable_is_sent_spelled_out(
     attributes = resource_attributes(request)
     assert attributes["team"] == "caf\\xe9"
     assert attributes["caf\\xe9"] == "1"
+
+
+@pytest.mark.usefixtures("fresh_log_once")
+def test_resource_bytes_and_ints_past_int64_are_sent_as_the_sdk_would_and_never_fail(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """bytes go as bytes_value (the SDK's encoding, not an array of ints); an int outside int64
+    goes as its digits, logged once, instead of failing or wrapping every window's resource."""
+    from opentelemetry.exporter.otlp.proto.common._internal import _encode_resource
+    from opentelemetry.sdk.resources import Resource
+
+    attributes: dict[str, Any] = {
+        "service.name": "svc",
+        "blob": b"a\x00b",
+        "big": 2**64,
+        "wraps": 2**63,
+        "low": -(2**63) - 1,
+        "max": 2**63 - 1,
+        "min": -(2**63),
+        "blobs": (b"x", b"y"),
+    }
+    with caplog.at_level("WARNING", logger="spanprof"), OtlpProfilesReceiver() as receiver:
+        exporter = _exporter(receiver.url, resource_attributes=lambda: attributes)
+        exporter.start(_windows(lambda n: _window((_labels(n), 10_000_000))))
+        exporter.stop()
+        requests = receiver.requests()
+    assert exporter.stats()["otlp_errors"] == 0
+    (request,) = requests
+    sent = {kv.key: kv.value for kv in request.resource_profiles[0].resource.attributes}
+    # What the SDK's own exporters send for the attributes that fit OTLP as they are.
+    sdk = _encode_resource(Resource({k: attributes[k] for k in ("blob", "max", "min", "blobs")}))
+    for kv in sdk.attributes:
+        assert sent[kv.key] == kv.value, kv.key
+    received = resource_attributes(request)
+    assert (received["big"], received["wraps"], received["low"]) == (
+        str(2**64),
+        str(2**63),
+        str(-(2**63) - 1),
+    )
+    assert len(log_messages(caplog, "does not fit in 64 bits")) == 1
 
 
 def _deep_stacks(tables: StackTables, count: int) -> list[int]:

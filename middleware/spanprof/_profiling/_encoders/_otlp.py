@@ -41,6 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Generic, TypeVar
 
 from ..._labels._labelset import LabelSet
+from ..._logging import log_once
 from ..._version import __version__
 from .._window import Frame, Window, utf8_text
 from ._memory import MEMORY_PERIOD_TYPE, MEMORY_SAMPLE_TYPES
@@ -138,6 +139,7 @@ _AV_BOOL = 2
 _AV_INT = 3
 _AV_DOUBLE = 4
 _AV_ARRAY = 5
+_AV_BYTES = 7
 _ARRAY_VALUES = 1
 _SCOPE_NAME = 1
 _SCOPE_VERSION = 2
@@ -145,9 +147,18 @@ _RESOURCE_ATTRIBUTES = 1
 
 _T = TypeVar("_T")
 _I = TypeVar("_I")
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
 _NO_TRACE = bytes(16)
 _NO_SPAN = bytes(8)
 _HEX = frozenset("0123456789abcdef")
+
+
+def _int_text(value: int) -> str:
+    try:
+        return str(value)
+    except ValueError:  # past sys.get_int_max_str_digits()
+        return f"<int of {value.bit_length()} bits>"
 
 
 def _any_value(value: object) -> bytes:
@@ -156,11 +167,25 @@ def _any_value(value: object) -> bytes:
         put_tag(out, _AV_BOOL, 0)
         put_varint(out, int(value))
     elif isinstance(value, int):
-        put_tag(out, _AV_INT, 0)
-        put_varint(out, value)
+        if _INT64_MIN <= value <= _INT64_MAX:
+            put_tag(out, _AV_INT, 0)
+            put_varint(out, value)
+        else:
+            # OTLP's int is an int64: a bigger one raised (every window dropped) or, up to
+            # 2**64, went out wrapped to a negative number. Its digits keep its value.
+            log_once(
+                "otlp-attribute-int64",
+                "spanprof: an OTLP resource attribute's integer does not fit in 64 bits; it is "
+                "sent as a string (logged once)",
+                exc_info=False,
+            )
+            put_string_field(out, _AV_STRING, _int_text(value))
     elif isinstance(value, float):
         put_tag(out, _AV_DOUBLE, 1)
         out += struct.pack("<d", value)
+    elif isinstance(value, (bytes, bytearray)):
+        # A Sequence too, but the SDK's exporters send it as bytes_value, not ints.
+        put_bytes_field(out, _AV_BYTES, bytes(value))
     elif isinstance(value, str):
         # OTEL_RESOURCE_ATTRIBUTES is decoded with surrogateescape like any variable.
         put_string_field(out, _AV_STRING, utf8_text(value))
