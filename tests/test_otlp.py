@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import itertools
+import re
 import socket
 import threading
 import time
@@ -1072,6 +1073,36 @@ def test_a_grpc_target_with_one_trailing_slash_connects() -> None:
         exporter.stop()
     assert exporter.stats()["otlp_uploads"] == 1
     assert len(receiver.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [
+        ("x-team=caf%C3%A9", "printable ASCII"),
+        ("x-team=a%09b", "printable ASCII"),
+        ("x-token-bin=abc", "-bin"),
+        ("X-Token-Bin=abc", "-bin"),
+        ("x!team=a", "metadata name"),
+    ],
+)
+@pytest.mark.parametrize(
+    "variable", ["OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_PROFILES_HEADERS"]
+)
+def test_grpc_headers_grpcio_would_refuse_are_refused_naming_the_variable(
+    variable: str, raw: str, problem: str
+) -> None:
+    """Over HTTP they are valid headers; as gRPC metadata grpcio refuses them in every call
+    (or wants bytes, for '-bin'): with protocol grpc they are a ValueError at configuration."""
+    _require_grpc()
+    env = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", variable: raw}
+    with pytest.raises(ValueError, match=variable) as info:
+        OtlpSettings.from_env(env)
+    assert problem in str(info.value)
+    ((key, value),) = parse_headers(variable, raw)
+    with pytest.raises(ValueError, match=r"headers.*" + re.escape(problem)):
+        OtlpSettings(endpoint="http://127.0.0.1:4317", protocol="grpc", headers=((key, value),))
+    over_http = OtlpSettings.from_env({**env, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    assert over_http.headers == ((key, value),)
 
 
 def test_grpc_endpoint_credentials_go_as_authorization_metadata() -> None:

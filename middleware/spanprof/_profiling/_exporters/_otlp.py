@@ -23,6 +23,7 @@ import base64
 import email.utils
 import os
 import ssl
+import string
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
@@ -126,6 +127,32 @@ def parse_headers(name: str, value: str) -> tuple[tuple[str, str], ...]:
     return tuple(headers)
 
 
+# gRPC metadata (PROTOCOL-HTTP2.md): a name of these characters (the transport lowercases it),
+# a value of printable ASCII; grpcio refuses anything else in every call, in the export thread.
+_GRPC_KEY_CHARS = frozenset(string.ascii_letters + string.digits + "-_.")
+
+
+def grpc_header_problem(key: str, value: str) -> str | None:
+    """Why ``key: value`` cannot be gRPC metadata, or ``None`` (one character of the value at
+    most is quoted: values are often secrets)."""
+    if key.lower().endswith("-bin"):
+        # Binary metadata: grpcio wants bytes, and no OTel variable says how to give them.
+        return f"header {key!r}: a name ending in '-bin' is binary gRPC metadata, not supported"
+    bad = next((ch for ch in key if ch not in _GRPC_KEY_CHARS), None)
+    if bad is not None:
+        return (
+            f"header {key!r}: a gRPC metadata name cannot contain {bad!r} (letters, digits, "
+            "'-', '_' and '.' only)"
+        )
+    bad = next((ch for ch in value if not " " <= ch <= "~"), None)
+    if bad is not None:
+        return (
+            f"header {key!r}: contains {bad!r}, which gRPC metadata cannot carry "
+            "(printable ASCII only)"
+        )
+    return None
+
+
 def _check_file(name: str, value: str) -> str:
     if value and not os.path.isfile(value):
         raise ValueError(f"{name}={value!r}: no such file")
@@ -179,6 +206,9 @@ class OtlpSettings:
                 raise ValueError(f"headers: {problem}")
             # What http.client refuses would fail every export, in the export thread.
             parse_header_value(f"headers: {key!r}", value)
+            problem = grpc_header_problem(key, value) if self.protocol == "grpc" else None
+            if problem is not None:
+                raise ValueError(f"headers: {problem}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(
                 f"compression: expected one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"
@@ -257,6 +287,10 @@ class OtlpSettings:
             endpoint = base.rstrip("/") + OTLP_PROFILES_PATH
         name, raw_headers = _variable(env, "HEADERS")
         headers = parse_headers(name, raw_headers)
+        for key, value in headers if protocol == "grpc" else ():
+            problem = grpc_header_problem(key, value)
+            if problem is not None:
+                raise ValueError(f"{name} (with protocol grpc): {problem}")
         name, compression = _variable(env, "COMPRESSION")
         compression = compression.lower() or "gzip"
         if compression not in COMPRESSIONS:
