@@ -5,7 +5,9 @@ from __future__ import annotations
 import gzip
 import itertools
 import re
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -344,6 +346,89 @@ def test_a_base_endpoint_with_a_query_is_refused_naming_the_variable(base: str) 
     full = "http://collector:4318/v1development/profiles?tenant=a"
     settings = OtlpSettings.from_env({"OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT": full})
     assert settings.endpoint == full
+
+
+def _openssl(*args: str) -> None:
+    """Run the openssl command (skipped locally, failed under CI, without it)."""
+    from .conftest import require
+
+    openssl = shutil.which("openssl")
+    require(openssl is not None, "the openssl command is not installed")
+    subprocess.run([str(openssl), *args], check=True, capture_output=True)
+
+
+def _self_signed(directory: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed certificate and its unencrypted key."""
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    _openssl(
+        *("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}"),
+        *("-keyout", str(key), "-out", str(cert)),
+    )
+    return cert, key
+
+
+def test_tls_files_openssl_cannot_load_are_refused_naming_the_variable(tmp_path: Path) -> None:
+    """A CA bundle, client certificate or key that is a file OpenSSL cannot load (or a key not
+    of the certificate) is a ValueError naming its variable, not an SSLError at start()."""
+    cert, key = _self_signed(tmp_path, "client")
+    other_cert, other_key = _self_signed(tmp_path, "other")
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    # Encrypted: OpenSSL would ask for its password on the terminal.
+    encrypted = tmp_path / "encrypted.key"
+    _openssl("pkey", "-in", str(key), "-aes256", "-passout", "pass:pw", "-out", str(encrypted))
+    base = {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector:4318"}
+    good = {
+        **base,
+        "OTEL_EXPORTER_OTLP_CERTIFICATE": str(cert),
+        "OTEL_EXPORTER_OTLP_PROFILES_CLIENT_CERTIFICATE": str(cert),
+        "OTEL_EXPORTER_OTLP_PROFILES_CLIENT_KEY": str(key),
+    }
+    settings = OtlpSettings.from_env(good)
+    assert (settings.certificate, settings.client_key) == (str(cert), str(key))
+    OtlpExporter(settings, resource_attributes=lambda: RESOURCE)  # its TLS context loads
+    bad_cases = [
+        ("OTEL_EXPORTER_OTLP_CERTIFICATE", str(garbage), "OTEL_EXPORTER_OTLP_CERTIFICATE"),
+        ("OTEL_EXPORTER_OTLP_CERTIFICATE", str(key), "OTEL_EXPORTER_OTLP_CERTIFICATE"),
+        (
+            "OTEL_EXPORTER_OTLP_PROFILES_CLIENT_CERTIFICATE",
+            str(garbage),
+            "OTEL_EXPORTER_OTLP_PROFILES_CLIENT_CERTIFICATE",
+        ),
+        (
+            "OTEL_EXPORTER_OTLP_PROFILES_CLIENT_KEY",
+            str(garbage),
+            "OTEL_EXPORTER_OTLP_PROFILES_CLIENT_KEY",
+        ),
+        (
+            "OTEL_EXPORTER_OTLP_PROFILES_CLIENT_KEY",
+            str(other_key),
+            "OTEL_EXPORTER_OTLP_PROFILES_CLIENT_KEY",
+        ),
+        (
+            "OTEL_EXPORTER_OTLP_PROFILES_CLIENT_KEY",
+            str(encrypted),
+            "OTEL_EXPORTER_OTLP_PROFILES_CLIENT_KEY",
+        ),
+        (
+            "OTEL_EXPORTER_OTLP_PROFILES_CLIENT_CERTIFICATE",
+            str(other_cert),
+            "OTEL_EXPORTER_OTLP_PROFILES_CLIENT_KEY",
+        ),
+    ]
+    for variable, value, named in bad_cases:
+        with pytest.raises(ValueError, match=named):
+            OtlpSettings.from_env({**good, variable: value})
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_CLIENT_KEY"):
+        OtlpSettings.from_env({**base, "OTEL_EXPORTER_OTLP_CLIENT_KEY": str(key)})
+    with pytest.raises(ValueError, match="certificate"):
+        OtlpSettings(endpoint="https://collector:4318/v1", certificate=str(garbage))
+    with pytest.raises(ValueError, match="client_key"):
+        OtlpSettings(
+            endpoint="https://collector:4318/v1",
+            client_certificate=str(cert),
+            client_key=str(other_key),
+        )
 
 
 @pytest.mark.parametrize(

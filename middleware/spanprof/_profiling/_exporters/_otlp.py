@@ -159,6 +159,55 @@ def _check_file(name: str, value: str) -> str:
     return value
 
 
+def _ssl_reason(exc: ssl.SSLError) -> str:
+    # OpenSSL names its reason for most errors, but not for a key it cannot read ("PEM lib").
+    return str(exc.reason or exc.args[-1])
+
+
+def _no_password() -> bytes:
+    # An encrypted key would make OpenSSL ask for its password on the terminal.
+    return b""
+
+
+def tls_context(
+    certificate: str,
+    client_certificate: str,
+    client_key: str,
+    names: tuple[str, str, str] = ("certificate", "client_certificate", "client_key"),
+) -> ssl.SSLContext:
+    """The client TLS context of those PEM files (empty: the system's CAs, no client
+    certificate); a file OpenSSL cannot load is a ``ValueError`` naming its setting in
+    ``names``, so it is found at configuration time, not when the exporter starts."""
+    ca_name, cert_name, key_name = names
+    try:
+        context = ssl.create_default_context(cafile=certificate or None)
+    except ssl.SSLError as exc:
+        raise ValueError(
+            f"{ca_name}={certificate!r}: not a PEM bundle of CA certificates ({_ssl_reason(exc)})"
+        ) from None
+    if client_key and not client_certificate:
+        raise ValueError(
+            f"{key_name} is set, but {cert_name} (the certificate it goes with) is not"
+        )
+    if client_certificate:
+        try:
+            # The certificate alone first: which of the two files is wrong is then known.
+            ssl.create_default_context(cafile=client_certificate)
+        except ssl.SSLError as exc:
+            raise ValueError(
+                f"{cert_name}={client_certificate!r}: not a PEM certificate ({_ssl_reason(exc)})"
+            ) from None
+        try:
+            context.load_cert_chain(client_certificate, client_key or None, _no_password)
+        except ssl.SSLError as exc:
+            where = (key_name, client_key) if client_key else (cert_name, client_certificate)
+            raise ValueError(
+                f"{where[0]}={where[1]!r}: no unencrypted PEM private key that matches "
+                f"{cert_name} ({_ssl_reason(exc)})"
+            ) from None
+    return context
+
+
 @dataclass(frozen=True, repr=False)
 class OtlpSettings:
     """Where and how OTLP profiles go; ``from_env`` reads the OTel exporter variables.
@@ -219,6 +268,9 @@ class OtlpSettings:
             raise ValueError(
                 f"protocol: expected one of {', '.join(PROTOCOLS)}, got {self.protocol!r}"
             )
+        for name in ("certificate", "client_certificate", "client_key"):
+            _check_file(name, getattr(self, name))
+        tls_context(self.certificate, self.client_certificate, self.client_key)
         endpoint, user, password = self.endpoint, "", ""
         if "://" in endpoint:
             endpoint, user, password = split_credentials(endpoint)
@@ -297,9 +349,13 @@ class OtlpSettings:
             raise ValueError(f"{name}={compression!r}: expected one of {', '.join(COMPRESSIONS)}")
         name, raw_timeout = _variable(env, "TIMEOUT")
         timeout_ms = parse_int(name, raw_timeout or "10000", minimum=1, maximum=600_000)
-        certificate = _check_file(*_variable(env, "CERTIFICATE"))
-        client_certificate = _check_file(*_variable(env, "CLIENT_CERTIFICATE"))
-        client_key = _check_file(*_variable(env, "CLIENT_KEY"))
+        ca_name, certificate = _variable(env, "CERTIFICATE")
+        cert_name, client_certificate = _variable(env, "CLIENT_CERTIFICATE")
+        key_name, client_key = _variable(env, "CLIENT_KEY")
+        _check_file(ca_name, certificate)
+        _check_file(cert_name, client_certificate)
+        _check_file(key_name, client_key)
+        tls_context(certificate, client_certificate, client_key, (ca_name, cert_name, key_name))
         return cls(
             endpoint=endpoint,
             headers=headers,
@@ -428,9 +484,9 @@ class OtlpExporter(IntervalExporter):
             self._headers["Content-Encoding"] = "gzip"
         context: ssl.SSLContext | None = None
         if parts.scheme == "https":
-            context = ssl.create_default_context(cafile=settings.certificate or None)
-            if settings.client_certificate:
-                context.load_cert_chain(settings.client_certificate, settings.client_key or None)
+            context = tls_context(
+                settings.certificate, settings.client_certificate, settings.client_key
+            )
         self._poster = Poster(
             https=parts.scheme == "https",
             host=parts.hostname or "",
