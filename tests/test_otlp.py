@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import itertools
 import re
-import shutil
 import socket
 import subprocess
 import threading
@@ -348,35 +347,21 @@ def test_a_base_endpoint_with_a_query_is_refused_naming_the_variable(base: str) 
     assert settings.endpoint == full
 
 
-def _openssl(*args: str) -> None:
-    """Run the openssl command (skipped locally, failed under CI, without it)."""
-    from .conftest import require
-
-    openssl = shutil.which("openssl")
-    require(openssl is not None, "the openssl command is not installed")
-    subprocess.run([str(openssl), *args], check=True, capture_output=True)
-
-
-def _self_signed(directory: Path, name: str) -> tuple[Path, Path]:
-    """A self-signed certificate and its unencrypted key."""
-    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
-    _openssl(
-        *("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}"),
-        *("-keyout", str(key), "-out", str(cert)),
-    )
-    return cert, key
+# Self-signed test-only certificates and keys (prime256v1, valid for a century), made once with
+# the openssl command, so that no test run needs it: client.crt/.key, other.crt/.key, and
+# encrypted.key (client.key under the password "pw").
+_TLS = Path(__file__).parent / "tls"
 
 
 def test_tls_files_openssl_cannot_load_are_refused_naming_the_variable(tmp_path: Path) -> None:
     """A CA bundle, client certificate or key that is a file OpenSSL cannot load (or a key not
     of the certificate) is a ValueError naming its variable, not an SSLError at start()."""
-    cert, key = _self_signed(tmp_path, "client")
-    other_cert, other_key = _self_signed(tmp_path, "other")
+    cert, key = _TLS / "client.crt", _TLS / "client.key"
+    other_cert, other_key = _TLS / "other.crt", _TLS / "other.key"
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate\n")
     # Encrypted: OpenSSL would ask for its password on the terminal.
-    encrypted = tmp_path / "encrypted.key"
-    _openssl("pkey", "-in", str(key), "-aes256", "-passout", "pass:pw", "-out", str(encrypted))
+    encrypted = _TLS / "encrypted.key"
     base = {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector:4318"}
     good = {
         **base,
@@ -909,7 +894,6 @@ def test_stop_all_flushes_exporters_side_by_side() -> None:
 
 def test_backend_with_both_exporters_sends_every_sample_to_both(tmp_path: Path) -> None:
     """ExactBackend(exporters="pyroscope,otlp") ships the same samples to both endpoints."""
-    import subprocess
     import sys
     import textwrap
 
