@@ -302,16 +302,24 @@ def _quiet_wakeup_fd() -> None:
 def _blocking_codes() -> dict[int, CodeType]:
     """Code objects whose frame, as a thread's leaf, means the thread waits instead of runs.
 
-    Only modules already imported are consulted: nothing is imported for this.
+    Only modules already imported are consulted: nothing is imported for this. The list is read
+    at ``start``, which servers reach with their event loop (and so its I/O module) imported.
     """
     candidates: list[tuple[str, str]] = [
         ("threading", "Condition.wait"),
         ("threading", "Thread.join"),
         ("threading", "Thread._wait_for_tstate_lock"),
         ("concurrent.futures.thread", "_worker"),  # blocked in SimpleQueue.get (C)
+        # Each selector that overrides select has a code object of its own: Linux's default
+        # (EpollSelector, asyncio's) is not _PollLikeSelector.select.
         ("selectors", "SelectSelector.select"),
         ("selectors", "_PollLikeSelector.select"),
+        ("selectors", "EpollSelector.select"),
+        ("selectors", "DevpollSelector.select"),
         ("selectors", "KqueueSelector.select"),
+        # trio's run loop waits for I/O here.
+        ("trio._core._io_epoll", "EpollIOManager.get_events"),
+        ("trio._core._io_kqueue", "KqueueIOManager.get_events"),
         ("socket", "socket.accept"),
         ("socket", "SocketIO.readinto"),
         ("ssl", "SSLSocket.read"),
