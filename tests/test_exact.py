@@ -337,6 +337,41 @@ def test_short_pool_jobs_are_booked_to_their_labels_and_function(sampler: Sample
 
 
 @pytest.mark.engine
+def test_a_workers_cpu_under_labels_equal_to_its_last_push_is_booked(sampler: Sampler) -> None:
+    """A labels block inside another with the same labels is a new, equal set: the engine
+    pushes nothing for it, and names it as the labels left at the next push. The worker's
+    CPU under it belongs to those labels (once, 75% of it was dropped as unsampled)."""
+    spanprof.engine.install_label_engine(_SamplerBackend(sampler))
+    used: list[float] = []
+
+    def worker() -> None:
+        started = time.thread_time()
+        for _ in range(300):
+            with spanprof.profile_labels(tenant="acme"), spanprof.profile_labels(tenant="acme"):
+                MARKERS[1](0.001)
+                with spanprof.profile_labels(stage="db"):
+                    MARKERS[2](0.0002)
+        used.append(time.thread_time() - started)
+
+    try:
+        sampler.start()
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        sampler.stop()
+    finally:
+        spanprof.engine.uninstall_label_engine()
+    acme = sum(
+        value
+        for (_sid, labels), value in sampler.take_window().values.items()
+        if labels.get("tenant") == "acme"
+    )
+    stats = sampler.stats()
+    assert acme / 1e9 == pytest.approx(used[0], rel=0.15), stats
+    assert stats["unsampled_ms"] < used[0] * 1e3 * 0.1, stats
+
+
+@pytest.mark.engine
 @pytest.mark.timeout(60, method="thread")  # the wall clock uses SIGALRM, pytest-timeout's signal
 def test_a_pool_worker_waiting_where_it_waited_before_its_jobs_keeps_a_stack() -> None:
     """Wall clock: a pool worker waits for jobs in the same frame at the same instruction

@@ -762,15 +762,23 @@ class Sampler:
             self._prepare_thread(local)
         now = time.perf_counter_ns() if self._wall else time.thread_time_ns()
         entry = _job_entry(sys._getframe(1), local.entries) if current else None
+        labels = self._labels
+        recorded = labels.get(ident, EMPTY)
+        if previous is not recorded and previous._map == recorded._map:
+            # The engine pushes nothing on a switch to an equal set, yet keeps that object as
+            # the thread's labels and names it as `previous` here next: the handler matches the
+            # object it recorded by identity, and would drop the thread's CPU since its last
+            # look.
+            previous = recorded
         # Odd while changing: a tick that looked at this thread meanwhile discards what it saw.
         versions = self._versions
         version = versions.get(ident, 0)
         versions[ident] = version + 1
         self._boundaries.append((ident, local.clock, now, previous, current, entry))
         if current:
-            self._labels[ident] = current
+            labels[ident] = current
         else:
-            self._labels.pop(ident, None)
+            labels.pop(ident, None)
         versions[ident] = version + 2
 
     def _prepare_thread(self, local: _PerThread) -> None:
