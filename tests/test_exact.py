@@ -337,6 +337,35 @@ def test_short_pool_jobs_are_booked_to_their_labels_and_function(sampler: Sample
 
 
 @pytest.mark.engine
+def test_short_to_thread_jobs_are_booked_to_their_function(sampler: Sampler) -> None:
+    """asyncio.to_thread runs the job as partial(context.run, func, ...): jobs shorter than a
+    tick, booked where they started, start in func (once, all of it in run_labelled)."""
+    spanprof.engine.install_label_engine(_SamplerBackend(sampler))
+
+    async def main() -> None:
+        sampler.start()
+        with labels_scope(_labels(0)):
+            for _ in range(200):
+                await asyncio.to_thread(MARKERS[1], 0.001)
+        sampler.stop()
+
+    try:
+        run_on("asyncio", main)
+    finally:
+        spanprof.engine.uninstall_label_engine()
+    window = sampler.take_window()
+    # The worker's CPU: what was booked on a stack of a job run with its labels.
+    by_leaf: dict[str, int] = {}
+    for (sid, labels), value in window.values.items():
+        stack = [frame.function for frame in window.stack(sid)]
+        if labels == _labels(0) and "run_labelled" in stack:
+            by_leaf[stack[0]] = by_leaf.get(stack[0], 0) + value
+    # 200 jobs of 1 ms, and their labelling around them.
+    assert sum(by_leaf.values()) >= 0.2e9 * 0.9, by_leaf
+    assert by_leaf.get("burn_request_01", 0) >= sum(by_leaf.values()) * 0.9, by_leaf
+
+
+@pytest.mark.engine
 def test_a_workers_cpu_under_labels_equal_to_its_last_push_is_booked(sampler: Sampler) -> None:
     """A labels block inside another with the same labels is a new, equal set: the engine
     pushes nothing for it, and names it as the labels left at the next push. The worker's

@@ -54,6 +54,7 @@ from __future__ import annotations
 import _thread
 import collections
 import contextlib
+import contextvars
 import functools
 import gc
 import os
@@ -63,7 +64,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from types import CodeType, FrameType
+from types import BuiltinMethodType, CodeType, FrameType
 from typing import Any
 
 from ..._labels._engine import run_labelled
@@ -1247,9 +1248,8 @@ def _job_entry(frame: FrameType | None, cache: dict[tuple[int, ...], _RawStack])
     depth = 0
     while probe is not None and depth < 6:
         if probe.f_code is _RUN_LABELLED:
-            fn: Any = probe.f_locals.get("fn")
-            while isinstance(fn, functools.partial):
-                fn = fn.func
+            locals_ = probe.f_locals
+            fn = _job_function(locals_.get("fn"), locals_.get("args", ()))
             code = getattr(fn, "__code__", None)
             fn_code = code if isinstance(code, CodeType) else None
             frame = probe
@@ -1286,6 +1286,28 @@ def _job_entry(frame: FrameType | None, cache: dict[tuple[int, ...], _RawStack])
         cache.clear()
     raw = cache[cache_key] = tuple(entries)
     return raw
+
+
+def _job_function(fn: Any, args: tuple[Any, ...]) -> Any:
+    """The function a job calls as ``fn(*args)`` runs, past partials and ``Context.run``.
+
+    ``asyncio.to_thread`` submits ``functools.partial(context.run, func, *args)``: the job's
+    own function is the first argument of a method of a ``contextvars.Context``.
+    """
+    for _ in range(8):  # bounded: the job runs in the worker that pays for this unwrap
+        if isinstance(fn, functools.partial):
+            if fn.args:
+                args = fn.args  # the first argument is all that is read below
+            fn = fn.func
+        elif (
+            isinstance(fn, BuiltinMethodType)
+            and isinstance(fn.__self__, contextvars.Context)
+            and args
+        ):
+            fn, args = args[0], args[1:]
+        else:
+            break
+    return fn
 
 
 def _callers_of_wait(frame: FrameType) -> FrameType | None:
