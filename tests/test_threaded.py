@@ -365,3 +365,52 @@ def test_ticks_never_flood_a_wakeup_fd_nobody_reads(tmp_path: Path) -> None:
     assert ticks >= 10, proc.stdout
     assert proc.stdout.split()[3] == "True", proc.stdout
     assert "wakeup fd" not in proc.stderr, proc.stderr[:2000]
+
+
+_WARNING_BACK_SCRIPT = """
+import os, signal, sys
+from spanprof._profiling._samplers._signal import Sampler
+from tests.e2e.markers import MARKERS
+
+read_end, write_end = os.pipe()
+os.set_blocking(write_end, False)
+signal.set_wakeup_fd(write_end)  # the app's choice: warn about a full buffer (the default)
+try:
+    while True:
+        os.write(write_end, b"x" * 4096)
+except BlockingIOError:
+    pass
+signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+sampler = Sampler(sample_rate=250)
+sampler.start()
+MARKERS[2](0.05)
+sampler.stop()
+print("stopped", flush=True)
+print("--", file=sys.stderr, flush=True)
+os.kill(os.getpid(), signal.SIGUSR1)
+MARKERS[2](0.01)  # the warning is reported once Python code runs again
+print("fd", signal.set_wakeup_fd(-1) == write_end, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_stop_gives_the_app_its_wakeup_fd_warning_back(tmp_path: Path) -> None:
+    """The sampler silences the wakeup fd's full-buffer warning while it ticks; once stopped,
+    a signal on the app's full pipe is reported again, as the app chose."""
+    require(LINUX, "the exact sampler needs Linux thread CPU clocks")
+    script = tmp_path / "warning_back.py"
+    script.write_text(textwrap.dedent(_WARNING_BACK_SCRIPT))
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=45,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}"},
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["stopped", "fd", "True"], proc.stdout
+    while_sampling, after_stop = proc.stderr.split("--\n")
+    assert "wakeup fd" not in while_sampling, while_sampling[:2000]
+    assert "when trying to write to the signal wakeup fd" in after_stop, after_stop[:2000]

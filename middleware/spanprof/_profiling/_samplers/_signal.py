@@ -280,7 +280,7 @@ def _thread_cpu_ns(native_id: int) -> int:
         return 0
 
 
-def _quiet_wakeup_fd() -> None:
+def _quiet_wakeup_fd() -> int:
     """Keep the sampler's ticks from flooding a signal wakeup fd nobody reads (main thread).
 
     Python writes one byte per signal to the fd ``signal.set_wakeup_fd`` names, and by default
@@ -290,14 +290,51 @@ def _quiet_wakeup_fd() -> None:
     warning goes (trio configures its own fd so). An event loop running here reads its fd
     (and dispatches ``add_signal_handler`` callbacks from the bytes): it is left alone, since
     there is no getter and the fd is unset for the instant between the two calls.
+
+    Returns the fd whose warning ``_restore_wakeup_warning`` puts back at stop, or -1.
     """
-    asyncio: Any = sys.modules.get("asyncio")
-    if asyncio is not None and asyncio._get_running_loop() is not None:
-        return
+    if _loop_running_here():
+        return -1
     with contextlib.suppress(ValueError, OSError):
         fd = signal.set_wakeup_fd(-1)
         if fd != -1:
             signal.set_wakeup_fd(fd, warn_on_full_buffer=False)
+            # trio's own fd is quiet already: it is not the sampler's to make warn.
+            return -1 if _in_trio_run() else fd
+    return -1
+
+
+def _restore_wakeup_warning(fd: int) -> None:
+    """Let ``fd`` warn about a full buffer again, as before ``_quiet_wakeup_fd`` (main thread).
+
+    Only while ``fd`` is still the wakeup fd: swapped for itself, it is never unset. Another fd
+    set since then (or none) is put back, with Python's default, since its setter's choice
+    cannot be read back. With an event loop running here nothing is touched (see
+    ``_quiet_wakeup_fd``): the fd is most likely the loop's, set with its own choice.
+    """
+    if _loop_running_here():
+        return
+    with contextlib.suppress(ValueError, OSError):
+        current = signal.set_wakeup_fd(fd)
+        if current != fd:
+            signal.set_wakeup_fd(current)
+
+
+def _loop_running_here() -> bool:
+    asyncio: Any = sys.modules.get("asyncio")
+    return asyncio is not None and asyncio._get_running_loop() is not None
+
+
+def _in_trio_run() -> bool:
+    # Only a completely imported trio can be running (see the label engine's _attach_trio).
+    current_token = getattr(sys.modules.get("trio.lowlevel"), "current_trio_token", None)
+    if current_token is None:
+        return False
+    try:
+        current_token()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _blocking_codes() -> dict[int, CodeType]:
@@ -443,6 +480,8 @@ class Sampler:
         self._pid = 0
         # The first tick turns off the wakeup fd's full-buffer warning (see _quiet_wakeup_fd).
         self._quiet_wakeup = False
+        # The fd it was turned off for, turned back on when the handler goes (-1: none).
+        self._quieted_fd = -1
         self._main_ident = 0
         self._ident: Callable[[], int] = _thread.get_ident
         self._main_last = 0
@@ -661,7 +700,7 @@ class Sampler:
         # In the main thread now; else at the first tick, which runs there.
         self._quiet_wakeup = not in_main
         if in_main:
-            _quiet_wakeup_fd()
+            self._quieted_fd = _quiet_wakeup_fd()
         try:
             if in_main:
                 self._install_handler()
@@ -682,6 +721,8 @@ class Sampler:
             if in_main and signal.getsignal(self.signum) == self._on_signal:
                 signal.signal(self.signum, signal.SIG_IGN)
                 signal.signal(self.signum, self._previous_handler)
+            if in_main:
+                self._restore_wakeup()
             raise
 
     def stop(self) -> None:
@@ -732,6 +773,12 @@ class Sampler:
             with contextlib.suppress(ValueError, RuntimeError):
                 _thread.interrupt_main(signal.Signals(self.signum))
 
+    def _restore_wakeup(self) -> None:
+        # Main thread only: no more ticks, so the app's own full-buffer warning comes back.
+        fd, self._quieted_fd = self._quieted_fd, -1
+        if fd != -1:
+            _restore_wakeup_warning(fd)
+
     @property
     def restore_pending(self) -> bool:
         """Whether the main thread has yet to put the previous handler back (see ``stop``)."""
@@ -742,6 +789,7 @@ class Sampler:
         # signal generated before it went, which the default action (terminate) would turn
         # into a crash.
         self._restore_pending = False
+        self._restore_wakeup()
         if signal.getsignal(self.signum) != self._on_signal:
             return  # someone installed another handler meanwhile: theirs stays
         signal.signal(self.signum, signal.SIG_IGN)
@@ -860,7 +908,7 @@ class Sampler:
     def _handle(self, frame: FrameType | None) -> None:
         if self._quiet_wakeup:
             self._quiet_wakeup = False
-            _quiet_wakeup_fd()
+            self._quieted_fd = _quiet_wakeup_fd()
         started = time.perf_counter_ns()
         cpu_started = time.thread_time_ns()
         # The process's CPU clock, read once a tick: on Linux it is a system call (about 1 µs
