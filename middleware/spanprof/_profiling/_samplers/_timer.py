@@ -67,7 +67,19 @@ class _Itimerspec(ctypes.Structure):
     _fields_ = (("it_interval", _Timespec), ("it_value", _Timespec))
 
 
+# Loaded at the first timer, not at import, and kept: each load makes a CDLL with a function
+# pointer class of its own, reference cycles the collector would find after every start.
+_lib: ctypes.CDLL | None = None
+
+
 def _libc() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        _lib = _load_libc()
+    return _lib
+
+
+def _load_libc() -> ctypes.CDLL:
     if not sys.platform.startswith("linux"):
         raise TimerUnavailable(f"thread-directed timers need Linux (this is {sys.platform})")
     # glibc >= 2.34 and musl have timer_create in libc; older glibc in librt.
