@@ -517,6 +517,29 @@ def test_a_loop_waiting_for_its_pool_books_nothing_to_its_selector(sampler: Samp
     assert by_labels.get(_labels(1), 0) > 0.05e9, by_labels
 
 
+def test_a_thread_of_only_waiting_machinery_is_booked_to_its_root() -> None:
+    """CPU a thread used before blocking is booked to the callers of its wait; a thread whose
+    target is the wait itself has none, and got the wait as its leaf (which the test above
+    then saw, now and again: the thread's start-up CPU, first read at its second look)."""
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        top = sys._current_frames().get(thread.ident or 0)
+        while (top is None or top.f_code.co_name != "wait") and time.monotonic() < deadline:
+            time.sleep(0.01)
+            top = sys._current_frames().get(thread.ident or 0)
+        assert top is not None
+        booked = _signal._callers_of_wait(top)
+        assert booked is not None
+        assert booked.f_back is None  # the thread's root frame
+        assert booked.f_code.co_name == "_bootstrap"
+    finally:
+        stop.set()
+        thread.join()
+
+
 @pytest.mark.engine
 @pytest.mark.timeout(60, method="thread")  # the wall clock uses SIGALRM, pytest-timeout's signal
 def test_wall_clock_counts_waiting_threads(sampler: Sampler) -> None:

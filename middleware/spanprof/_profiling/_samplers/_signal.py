@@ -1359,11 +1359,17 @@ def _job_function(fn: Any, args: tuple[Any, ...]) -> Any:
 
 
 def _callers_of_wait(frame: FrameType) -> FrameType | None:
-    """The first frame below a blocked thread's waiting machinery (its own code)."""
+    """The first frame below a blocked thread's waiting machinery (its own code).
+
+    A thread with no code of its own (``Thread(target=event.wait)``) ran only the machinery
+    that started it: its root frame, not the wait it is blocked in, which is never a sample.
+    """
     current: FrameType | None = frame
+    root = frame
     while current is not None and current.f_globals.get("__name__") in _WAIT_MODULES:
+        root = current
         current = current.f_back
-    return current if current is not None else frame
+    return current if current is not None else root
 
 
 def _active_thread(ident: int) -> threading.Thread | None:
