@@ -739,7 +739,9 @@ def _push(*samples: tuple[tuple[Frame, ...], int, tuple[tuple[str, str], ...]]) 
     builder = ProfileBuilder((("cpu", "nanoseconds"),), period=10_000_000)
     for stack, value, labels in samples:
         builder.add(stack, value, labels)
-    profile = decode_profile(builder.build())
+    # Decoded whole: these tests check the store's own cut, not the one local mode's receiver
+    # makes first.
+    profile = decode_profile(builder.build(), max_depth=100_000)
     series = PushSeries((("__name__", "process_cpu"), ("service_name", "svc")), (profile,))
     return ReceivedPush(time.time(), "test", (series,))
 

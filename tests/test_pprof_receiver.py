@@ -22,12 +22,16 @@ from pathlib import Path
 import pytest
 
 from spanprof._local._receiver import PushReceiver, ReceivedPush
+from spanprof._local._stacks import FramePool
 from spanprof._logging import reset_log_once
+from spanprof._profiling._encoders._otlp import OtlpTooLargeError, decode_export_request
 from spanprof._profiling._encoders._pprof import (
+    DEFAULT_MAX_DEPTH,
     InflatedTooLargeError,
     Profile,
     ProfileBuilder,
     ProfileDecodeError,
+    ProfileTooLargeError,
     Sample,
     decode_profile,
     encode_profile,
@@ -463,6 +467,108 @@ def test_receiver_answers_an_otlp_bomb_413_and_keeps_serving() -> None:
         assert _peak_bytes(lambda: _post(url, bomb, headers)) < 16 * MIB
         assert _post(url, bomb, headers)[0] == 413
         assert _post(url, gzip.compress(b""), headers)[0] == 200
+
+
+def _many_lines_profile(lines: int, samples: int, refs: int = 1) -> bytes:
+    """pprof with one location of ``lines`` Line entries that ``samples`` samples reference
+    ``refs`` times each: a few bytes on the wire per reference, ``lines`` frames decoded."""
+    buf = bytearray()
+    vt = bytearray()
+    put_varint_field(vt, 1, 1)
+    put_varint_field(vt, 2, 2)
+    put_bytes_field(buf, 1, vt)
+    fn = bytearray()
+    put_varint_field(fn, 1, 1)
+    put_varint_field(fn, 2, 3)
+    put_varint_field(fn, 4, 4)
+    put_bytes_field(buf, 5, fn)
+    loc = bytearray()
+    put_varint_field(loc, 1, 1)
+    for line_no in range(lines):
+        line = bytearray()
+        put_varint_field(line, 1, 1)
+        put_varint_field(line, 2, line_no)
+        put_bytes_field(loc, 4, line)
+    put_bytes_field(buf, 4, loc)
+    sample = bytearray()
+    put_packed_varints_field(sample, 1, [1] * refs)
+    put_packed_varints_field(sample, 2, [1])
+    buf += b"".join(_field(2, sample) for _ in range(samples))
+    for text in ("", "cpu", "nanoseconds", "f", "/f.py"):
+        put_string_field(buf, 6, text)
+    return bytes(buf)
+
+
+def _field(number: int, payload: bytes | bytearray) -> bytes:
+    out = bytearray()
+    put_bytes_field(out, number, payload)
+    return bytes(out)
+
+
+def test_deep_stacks_decode_cut_as_local_mode_keeps_them() -> None:
+    """A stack past DEFAULT_MAX_DEPTH decodes to its leaf and root ends around a marker, the
+    very frames FramePool keeps, whether its depth comes from many locations or many lines."""
+    depth = DEFAULT_MAX_DEPTH + 1000
+    frames = tuple(Frame(f"f{i}", "/deep.py", i) for i in range(depth))
+    profile = Profile((("cpu", "nanoseconds"),), ("cpu", "nanoseconds"), 1, 0, 0, (
+        Sample(frames, (1,)),
+    ))  # fmt: skip
+    stack = decode_profile(encode_profile(profile)).samples[0].stack
+    assert len(stack) == DEFAULT_MAX_DEPTH
+    assert stack == FramePool(DEFAULT_MAX_DEPTH).keep(frames)
+    half = DEFAULT_MAX_DEPTH // 2
+    assert stack == (*frames[:half], Frame("[1001 frames elided]", "", 0), *frames[-half + 1 :])
+
+    inlined = decode_profile(_many_lines_profile(depth, 1, refs=2)).samples[0].stack
+    lines = tuple(Frame("f", "/f.py", i) for i in range(depth)) * 2
+    assert inlined == FramePool(DEFAULT_MAX_DEPTH).keep(lines)
+    assert decode_profile(_many_lines_profile(5, 1, refs=2)).samples[0].stack == lines[:5] * 2
+
+
+def test_a_push_decoding_to_millions_of_frames_gets_413_and_the_receiver_keeps_serving() -> None:
+    """One location of 2,000 lines referenced by 2,000 samples: 28 KB that decoded to 4 million
+    frames (30 MiB) is refused as too large, and the next push is taken."""
+    bomb = encode_push_request([([("__name__", "process_cpu")], [_many_lines_profile(2000, 2000)])])
+    assert len(bomb) < 30_000
+    with pytest.raises(PushTooLargeError, match="frames"):
+        decode_push_request(bomb)
+    with pytest.raises(ProfileTooLargeError, match="frames"):
+        decode_profile(_many_lines_profile(2000, 2000))
+    with PushReceiver() as receiver:
+        status, _headers, payload = _post(receiver.url + PUSH_PATH, bomb, _PROTO)
+        assert status == 413
+        assert json.loads(payload)["code"] == "resource_exhausted"
+        assert receiver.pushes == 0
+        assert "frames" in receiver.errors[-1]
+        ok = encode_push_request([([("__name__", "process_cpu")], [_many_lines_profile(50, 50)])])
+        assert _post(receiver.url + PUSH_PATH, ok, _PROTO)[0] == 200
+        assert [len(s.stack) for s in receiver.samples()] == [50] * 50
+
+
+def _otlp_many_lines(lines: int, stacks: int, refs: int) -> bytes:
+    """An OTLP dictionary with one location of ``lines`` lines and ``stacks`` stacks listing it
+    ``refs`` times each."""
+    dictionary = _field(5, b"") + _field(3, b"")
+    dictionary += _field(2, _field(3, b"") * lines)
+    stack = bytearray()
+    put_packed_varints_field(stack, 1, [0] * refs)
+    dictionary += _field(7, stack) * stacks
+    return _field(2, dictionary)
+
+
+def test_otlp_profiles_decoding_to_millions_of_frames_get_413() -> None:
+    """2,000 stacks of a 2,000-line location (14 KB, 4 million frames) are refused as too
+    large; one stack listing it 100,000 times decodes to a cut stack and is taken."""
+    bomb = _otlp_many_lines(2000, 2000, 1)
+    assert len(bomb) < 16_000
+    with pytest.raises(OtlpTooLargeError, match="frames"):
+        decode_export_request(bomb)
+    headers = {"Content-Type": "application/x-protobuf"}
+    with PushReceiver() as receiver:
+        url = receiver.url + "/v1development/profiles"
+        assert _post(url, bomb, headers)[0] == 413
+        assert "frames" in receiver.errors[-1]
+        assert _post(url, _otlp_many_lines(2000, 1, 100_000), headers)[0] == 200
 
 
 def test_receiver_refuses_what_a_web_page_can_send(

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._profiling._encoders._memory import MEMORY_PERIOD_TYPE, MEMORY_SAMPLE_TYPES
-from .._profiling._encoders._pprof import ProfileBuilder
+from .._profiling._encoders._pprof import DEFAULT_MAX_DEPTH, ProfileBuilder
 from .._profiling._encoders._push import PushSeries
 from .._profiling._window import Frame
 from ._compare import SIDES, SloComparison
@@ -124,7 +124,7 @@ class MemoryStore:
         *,
         max_spans: int = 5000,
         max_stacks_per_span: int = 2000,
-        max_depth: int = 2048,
+        max_depth: int = DEFAULT_MAX_DEPTH,
         max_series: int = 16,
         max_bytes: int = 16 * 1024 * 1024,
         comparison_bytes: int = 4 * 1024 * 1024,

@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .._logging import log_once
-from .._profiling._encoders._otlp import decode_export_request
+from .._profiling._encoders._otlp import OtlpTooLargeError, decode_export_request
 from .._profiling._encoders._pprof import InflatedTooLargeError, gunzip_bounded
 from .._profiling._encoders._protowire import ProtoDecodeError
 from .._profiling._encoders._push import (
@@ -260,7 +260,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ProtoDecodeError(f"unsupported Content-Encoding {encoding!r}")
             with receiver._decode_lock:
                 series = decode_export_request(body)
-        except InflatedTooLargeError as exc:
+        except (InflatedTooLargeError, OtlpTooLargeError) as exc:
             receiver._reject("too-large", f"OTLP profiles too large: {exc}")
             self._reply(413, str(exc).encode(), "text/plain; charset=utf-8")
             return

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._profiling._encoders._pprof import ProfileBuilder
+from .._profiling._encoders._pprof import DEFAULT_MAX_DEPTH, ProfileBuilder
 from .._profiling._window import Frame
 from ._compare import SloComparison
 from ._memory import MemoryStore
@@ -83,7 +83,7 @@ class SampleStore:
         *,
         max_spans: int = 5000,
         max_stacks_per_span: int = 2000,
-        max_depth: int = 2048,
+        max_depth: int = DEFAULT_MAX_DEPTH,
         max_bytes: int = 64 * 1024 * 1024,
         comparison: SloComparison | None = None,
         memory: MemoryStore | None = None,

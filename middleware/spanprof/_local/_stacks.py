@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from .._profiling._encoders._pprof import cut_stack
 from .._profiling._window import Frame
 
 __all__ = ["MAX_NAME", "TRUNCATED", "FramePool", "descend", "flame_tree", "stack_cost"]
@@ -33,17 +34,6 @@ def stack_cost(stack: tuple[Frame, ...]) -> int:
 
 def _frame_cost(frame: Frame) -> int:
     return _FRAME_OVERHEAD + len(frame.function) + len(frame.filename)
-
-
-def _cut(stack: tuple[Frame, ...], max_depth: int) -> tuple[Frame, ...]:
-    """``stack`` (leaf first) with its middle replaced by a marker when deeper than allowed."""
-    if len(stack) <= max_depth:
-        return stack
-    keep = max_depth - 1
-    leaf, root = keep - keep // 2, keep // 2
-    elided = len(stack) - leaf - root
-    marker = Frame(f"[{elided} frames elided]", "", 0)
-    return (*stack[:leaf], marker, *stack[len(stack) - root :])
 
 
 class FramePool:
@@ -70,7 +60,7 @@ class FramePool:
         """
         frames = self._frames
         out = []
-        for frame in _cut(stack, self.max_depth):
+        for frame in cut_stack((stack,), self.max_depth):
             shared = frames.get(frame)
             if shared is None:
                 if len(frame.function) > MAX_NAME or len(frame.filename) > MAX_NAME:

@@ -45,7 +45,7 @@ from ..._logging import log_once
 from ..._version import __version__
 from .._window import Frame, Window, utf8_text
 from ._memory import MEMORY_PERIOD_TYPE, MEMORY_SAMPLE_TYPES
-from ._pprof import Profile, Sample
+from ._pprof import DEFAULT_MAX_DEPTH, Profile, Sample, cut_stack, frame_budget
 from ._protowire import (
     WIRE_LEN,
     FieldValue,
@@ -76,6 +76,7 @@ __all__ = [
     "OtlpEncoder",
     "OtlpRequestEncoder",
     "OtlpTables",
+    "OtlpTooLargeError",
     "current_resource_attributes",
     "decode_export_request",
     "encode_resource",
@@ -592,6 +593,10 @@ class OtlpDecodeError(ProtoDecodeError):
     """Raised when a body is not a decodable ``ExportProfilesServiceRequest``."""
 
 
+class OtlpTooLargeError(OtlpDecodeError):
+    """Raised when a request decodes to more frames than the caller allows."""
+
+
 def _fields(data: bytes) -> dict[int, list[FieldValue]]:
     out: dict[int, list[FieldValue]] = {}
     for field, _wire, value in iter_fields(data):
@@ -634,7 +639,9 @@ def _at(table: Sequence[_T], index: int, what: str) -> _T:
     return table[index]
 
 
-def decode_export_request(data: bytes) -> list[PushSeries]:
+def decode_export_request(
+    data: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH, max_frames: int | None = None
+) -> list[PushSeries]:
     """An uncompressed ``ExportProfilesServiceRequest`` as push series, as Pyroscope ingests it.
 
     One series per profile, labelled ``__name__`` (``process_cpu`` for ``samples/count`` with
@@ -648,16 +655,23 @@ def decode_export_request(data: bytes) -> list[PushSeries]:
     with a sample per stack and labels: exactly what the Pyroscope memory push carries, so
     memory is stored alike whichever way it came. (Pyroscope 2.x's own OTLP ingest names every
     profile that is not off-CPU ``process_cpu``, telling memory apart by sample type only.)
+
+    A stack deeper than ``max_depth`` keeps its leaf and root ends (see ``cut_stack``); a
+    request that decodes to more than ``max_frames`` frames (default: ``frame_budget`` of its
+    size) raises ``OtlpTooLargeError``, any other malformed one ``OtlpDecodeError``.
     """
+    if max_depth < 3:
+        raise ValueError(f"max_depth: expected at least 3 (leaf, marker, root), got {max_depth}")
+    limit = frame_budget(len(data)) if max_frames is None else max_frames
     try:
-        return _decode_export_request(data)
+        return _decode_export_request(data, max_depth, limit)
     except OtlpDecodeError:
         raise
     except ProtoDecodeError as exc:
         raise OtlpDecodeError(f"invalid ExportProfilesServiceRequest: {exc}") from exc
 
 
-def _decode_export_request(data: bytes) -> list[PushSeries]:
+def _decode_export_request(data: bytes, max_depth: int, max_frames: int) -> list[PushSeries]:
     request = _fields(data)
     d = _fields(_msg(request, _REQ_DICTIONARY))
     strings = [as_str(v) for v in d.get(_D_STRING, ())] or [""]
@@ -667,23 +681,35 @@ def _decode_export_request(data: bytes) -> list[PushSeries]:
         functions.append(
             (_at(strings, _int(f, _F_NAME), "string"), _at(strings, _int(f, _F_FILENAME), "string"))
         )
+    # Location lines and stack frames alike: each is an object or a pointer kept. Samples
+    # share the dictionary's stacks, so they cost nothing more.
+    frames_left = max_frames
+
+    def spend(count: int) -> None:
+        nonlocal frames_left
+        frames_left -= count
+        if frames_left < 0:
+            raise OtlpTooLargeError(f"profiles decode to more than {max_frames} frames")
+
     locations: list[tuple[Frame, ...]] = []
     for raw in d.get(_D_LOCATION, ()):
         loc = _fields(as_bytes(raw))
+        lines = loc.get(_LOC_LINES, ())
+        spend(len(lines))
         frames = []
-        for line_raw in loc.get(_LOC_LINES, ()):
+        for line_raw in lines:
             line = _fields(as_bytes(line_raw))
             name, filename = _at(functions, _int(line, _LINE_FUNCTION_INDEX), "function")
             frames.append(Frame(name, filename, _int(line, _LINE_LINE)))
         locations.append(tuple(frames))
-    stacks = [
-        tuple(
-            frame
-            for i in _ints(_fields(as_bytes(raw)), _STACK_LOCATIONS)
-            for frame in _at(locations, i, "location")
-        )
-        for raw in d.get(_D_STACK, ())
-    ]
+    stacks = []
+    for raw in d.get(_D_STACK, ()):
+        parts = [
+            _at(locations, i, "location") for i in _ints(_fields(as_bytes(raw)), _STACK_LOCATIONS)
+        ]
+        stack = cut_stack(parts, max_depth)
+        spend(len(stack))
+        stacks.append(stack)
     links = []
     for raw in d.get(_D_LINK, ()):
         link = _fields(as_bytes(raw))

@@ -43,13 +43,17 @@ except ImportError:  # built without a compiler, or the module cannot load here
     _c_label_fields = None
 
 __all__ = [
+    "DEFAULT_MAX_DEPTH",
     "InflatedTooLargeError",
     "Profile",
     "ProfileBuilder",
     "ProfileDecodeError",
+    "ProfileTooLargeError",
     "Sample",
     "SharedLocations",
+    "cut_stack",
     "decode_profile",
+    "frame_budget",
     "encode_profile",
     "gunzip_bounded",
     "maybe_gunzip",
@@ -57,6 +61,19 @@ __all__ = [
 ]
 
 _GZIP_MAGIC = b"\x1f\x8b"
+
+#: Frames a decoded stack keeps (what local mode's stores keep too): deeper stacks keep their
+#: leaf and root ends around an ``[N frames elided]`` frame. The profilers send 256 at most.
+DEFAULT_MAX_DEPTH = 2048
+# Frames one upload may decode to, per byte of its inflated profiles. A profile's samples name
+# each frame with a location id of at least one byte, so a real upload stays under one frame per
+# byte; only locations with many lines, referenced over and over, expand further. Every decoded
+# frame is a pointer (8 bytes) or a Frame (~100), so this keeps a decode within tens of bytes
+# per inflated byte instead of the thousands a location of 10,000 lines referenced 10,000
+# times costs.
+_FRAMES_PER_BYTE = 2
+# Small uploads (tests, a first window) get at least this many, whatever their size.
+_MIN_FRAMES = 65536
 
 # perftools.profiles.Profile
 _P_SAMPLE_TYPE = 1
@@ -105,8 +122,44 @@ class ProfileDecodeError(ProtoDecodeError):
     """Raised when bytes are not a decodable pprof profile."""
 
 
-class InflatedTooLargeError(ProfileDecodeError):
+class ProfileTooLargeError(ProfileDecodeError):
+    """Raised when input decodes to more than the caller's limit allows."""
+
+
+class InflatedTooLargeError(ProfileTooLargeError):
     """Raised when gzip-compressed input inflates past the caller's limit."""
+
+
+def frame_budget(inflated_bytes: int) -> int:
+    """How many frames an upload of ``inflated_bytes`` (profiles, uncompressed) may decode to."""
+    return _FRAMES_PER_BYTE * inflated_bytes + _MIN_FRAMES
+
+
+def cut_stack(parts: Sequence[Sequence[Frame]], max_depth: int) -> tuple[Frame, ...]:
+    """The frames of ``parts`` (a stack's locations, leaf first) in order, at most ``max_depth``.
+
+    A deeper stack keeps its leaf and root ends around an ``[N frames elided]`` frame, and is
+    built without flattening the whole of it: a location can hold thousands of lines.
+    """
+    total = sum(map(len, parts))
+    if total <= max_depth:
+        return tuple([frame for part in parts for frame in part])
+    keep = max_depth - 1
+    leaf, root = keep - keep // 2, keep // 2
+    head: list[Frame] = []
+    for part in parts:
+        if len(head) >= leaf:
+            break
+        head.extend(part[: leaf - len(head)])
+    tail: list[Frame] = []
+    for part in reversed(parts):
+        if len(tail) >= root:
+            break
+        # Reversed, so the last frames of the stack come first; flipped back below.
+        tail.extend(reversed(part[max(len(part) - (root - len(tail)), 0) :]))
+    tail.reverse()
+    marker = Frame(f"[{total - leaf - root} frames elided]", "", 0)
+    return (*head, marker, *tail)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,22 +258,35 @@ def maybe_gunzip(data: bytes, limit: int | None = None) -> bytes:
         raise ProfileDecodeError(f"invalid gzip data: {exc}") from exc
 
 
-def decode_profile(data: bytes, *, max_inflated: int | None = None) -> Profile:
+def decode_profile(
+    data: bytes,
+    *,
+    max_inflated: int | None = None,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+    max_frames: int | None = None,
+) -> Profile:
     """Decode a pprof profile, gzip-compressed or raw, into a ``Profile``.
 
-    Raises ``ProfileDecodeError`` on malformed input (bad wire format, dangling
-    string/function/location references), and its subclass ``InflatedTooLargeError``
-    when a gzip-compressed profile inflates past ``max_inflated`` bytes.
+    A stack deeper than ``max_depth`` keeps its leaf and root ends (see ``cut_stack``). Raises
+    ``ProfileDecodeError`` on malformed input (bad wire format, dangling
+    string/function/location references), and its subclass ``ProfileTooLargeError`` when the
+    profile decodes to more than ``max_frames`` frames (default: ``frame_budget`` of its
+    inflated size) or, as ``InflatedTooLargeError``, when a gzip-compressed profile inflates
+    past ``max_inflated`` bytes.
     """
+    if max_depth < 3:
+        raise ValueError(f"max_depth: expected at least 3 (leaf, marker, root), got {max_depth}")
     try:
-        return _decode_profile(maybe_gunzip(data, max_inflated))
+        raw = maybe_gunzip(data, max_inflated)
+        limit = frame_budget(len(raw)) if max_frames is None else max_frames
+        return _decode_profile(raw, max_depth, limit)
     except ProfileDecodeError:
         raise
     except ProtoDecodeError as exc:
         raise ProfileDecodeError(str(exc)) from exc
 
 
-def _decode_profile(data: bytes) -> Profile:
+def _decode_profile(data: bytes, max_depth: int, max_frames: int) -> Profile:
     raw_sample_types: list[bytes] = []
     raw_samples: list[bytes] = []
     raw_mappings: list[bytes] = []
@@ -305,6 +371,15 @@ def _decode_profile(data: bytes) -> Profile:
                 file_idx = as_int(v)
         mapping_files[mid] = s(file_idx)
 
+    # Location lines and stack frames alike: each is an object or a pointer kept.
+    frames_left = max_frames
+
+    def spend(count: int) -> None:
+        nonlocal frames_left
+        frames_left -= count
+        if frames_left < 0:
+            raise ProfileTooLargeError(f"profile decodes to more than {max_frames} frames")
+
     locations: dict[int, tuple[Frame, ...]] = {}
     for raw in raw_locations:
         lid = mapping_id = address = 0
@@ -328,15 +403,17 @@ def _decode_profile(data: bytes) -> Profile:
                     raise ProfileDecodeError(
                         f"location {lid} references unknown function {func_id}"
                     )
+                spend(1)
                 frames.append(Frame(func[0], func[1], line_no))
         if not frames:
             # Unsymbolised native location: the address is the best name there is.
+            spend(1)
             frames.append(Frame(f"0x{address:x}", mapping_files.get(mapping_id, ""), 0))
         locations[lid] = tuple(frames)
 
     samples: list[Sample] = []
     for raw in raw_samples:
-        stack: list[Frame] = []
+        parts: list[tuple[Frame, ...]] = []
         values: list[int] = []
         labels: list[tuple[str, str]] = []
         num_labels: list[tuple[str, int, str]] = []
@@ -346,7 +423,7 @@ def _decode_profile(data: bytes) -> Profile:
                     loc = locations.get(lid)
                     if loc is None:
                         raise ProfileDecodeError(f"sample references unknown location {lid}")
-                    stack.extend(loc)
+                    parts.append(loc)
             elif f == _S_VALUE:
                 values.extend(to_int64(x) for x in unpack_varints(v))
             elif f == _S_LABEL:
@@ -366,7 +443,9 @@ def _decode_profile(data: bytes) -> Profile:
                     num_labels.append((s(key_idx), num, s(num_unit_idx)))
                 else:
                     labels.append((s(key_idx), s(str_idx)))
-        samples.append(Sample(tuple(stack), tuple(values), tuple(labels), tuple(num_labels)))
+        stack = cut_stack(parts, max_depth)
+        spend(len(stack))
+        samples.append(Sample(stack, tuple(values), tuple(labels), tuple(num_labels)))
 
     return Profile(
         sample_types=tuple(value_type(r) for r in raw_sample_types),

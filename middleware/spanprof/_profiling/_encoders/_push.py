@@ -26,10 +26,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ._pprof import (
+    DEFAULT_MAX_DEPTH,
     InflatedTooLargeError,
     Profile,
     ProfileDecodeError,
+    ProfileTooLargeError,
     decode_profile,
+    frame_budget,
     gunzip_bounded,
 )
 from ._protowire import (
@@ -164,17 +167,21 @@ def decode_push_request(
     content_encoding: str | None = None,
     *,
     max_inflated: int = DEFAULT_MAX_INFLATED,
+    max_depth: int = DEFAULT_MAX_DEPTH,
 ) -> list[PushSeries]:
     """Decode a ``PushRequest`` body (per its Content-Encoding) including every pprof in it.
 
     The body and every gzip-compressed profile in it inflate to ``max_inflated`` bytes in
-    all; past that, ``PushTooLargeError``. Raises ``PushDecodeError`` if the envelope or any
-    embedded profile is malformed.
+    all, and the profiles decode to ``frame_budget`` of their inflated size in frames, a
+    stack to ``max_depth`` (see ``decode_profile``); past either, ``PushTooLargeError``.
+    Raises ``PushDecodeError`` if the envelope or any embedded profile is malformed.
     """
     raw_series = decode_push_request_raw(body, content_encoding, max_inflated=max_inflated)
     # Embedded profiles may be gzipped again: they share what is left of the budget, so
     # nesting bombs inside the envelope buys nothing.
     budget = max_inflated - sum(len(raw) for _labels, raws in raw_series for raw, _sid in raws)
+    # Shared too, so that many small profiles cannot each spend the floor of their own.
+    frames_left = frame_budget(0)
     series: list[PushSeries] = []
     for labels, raws in raw_series:
         profiles: list[Profile] = []
@@ -183,11 +190,16 @@ def decode_push_request(
                 if raw[:2] == _GZIP_MAGIC:
                     raw = gunzip_bounded(raw, max(budget, 0))
                     budget -= len(raw)
-                profiles.append(decode_profile(raw, max_inflated=max(budget, 0)))
-            except InflatedTooLargeError as exc:
+                frames_left += frame_budget(len(raw)) - frame_budget(0)
+                profile = decode_profile(
+                    raw, max_inflated=max(budget, 0), max_depth=max_depth, max_frames=frames_left
+                )
+            except ProfileTooLargeError as exc:
                 raise PushTooLargeError(f"series {dict(labels)!r}: {exc}") from exc
             except ProfileDecodeError as exc:
                 raise PushDecodeError(f"invalid pprof in series {dict(labels)!r}: {exc}") from exc
+            frames_left -= sum(len(sample.stack) for sample in profile.samples)
+            profiles.append(profile)
         series.append(PushSeries(labels, tuple(profiles), tuple(sid for _raw, sid in raws)))
     return series
 
