@@ -51,15 +51,23 @@ from spanprof._local._receiver import ReceivedPush
 from spanprof._local._slo import policy_env, policy_from
 from spanprof._local._ui import _tree_json
 from spanprof._logging import reset_log_once
+from spanprof._profiling._encoders._memory import MEMORY_PERIOD_TYPE, MEMORY_SAMPLE_TYPES
 from spanprof._profiling._encoders._pprof import ProfileBuilder, decode_profile
 from spanprof._profiling._encoders._protowire import (
     as_bytes,
     as_int,
     as_str,
     iter_fields,
+    put_bytes_field,
+    put_packed_varints_field,
     unpack_varints,
 )
-from spanprof._profiling._encoders._push import PushSeries
+from spanprof._profiling._encoders._push import (
+    PUSH_CONTENT_TYPE,
+    PUSH_PATH,
+    PushSeries,
+    encode_push_request,
+)
 from spanprof._profiling._window import Frame
 
 from .conftest import require
@@ -1081,6 +1089,64 @@ def test_local_mode_sets_and_restores_the_environment() -> None:
         urllib.request.urlopen(f"{page}api/status", timeout=1)
 
 
+def _with_bad_samples(profile: bytes, *values: list[int]) -> bytes:
+    """``profile`` plus a sample of its first location per item of ``values``, carrying
+    those values whatever the profile's sample types are."""
+    out = bytearray(profile)
+    for sample_values in values:
+        sample = bytearray()
+        put_packed_varints_field(sample, 1, [1])
+        if sample_values:
+            put_packed_varints_field(sample, 2, sample_values)
+        put_bytes_field(out, 2, sample)
+    return bytes(out)
+
+
+def test_malformed_samples_are_skipped_and_no_push_stays_in_the_receiver(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A CPU sample with no value (or two for one type) and a memory sample with one value
+    for four types are skipped and counted, the rest of the push is kept, and the receiver
+    lets go of every push: an IndexError used to stop ingest before it cleared the receiver,
+    which then held every such upload for good (33 -> 243 MiB for 100 of them)."""
+    reset_log_once()
+    span = "00000000000000aa"
+    labels = (("span_id", span), ("span_name", "GET /x"))
+    leaf = (Frame("leaf", "m.py", 1),)
+    cpu = ProfileBuilder((("cpu", "nanoseconds"),), period=10_000_000)
+    cpu.add(leaf, 30_000_000, labels)
+    memory = ProfileBuilder(MEMORY_SAMPLE_TYPES, MEMORY_PERIOD_TYPE, 512 * 1024)
+    memory.add(leaf, (2, 4096, 0, 0), labels)
+    body = encode_push_request([
+        ([("__name__", "process_cpu"), ("service_name", "svc")],
+         [_with_bad_samples(cpu.build(), [], [5, 6])]),
+        ([("__name__", "memory"), ("service_name", "svc")],
+         [_with_bad_samples(memory.build(), [7])]),
+    ])  # fmt: skip
+    with (
+        caplog.at_level(logging.WARNING, logger="spanprof"),
+        LocalMode(ui_port=0, environ={}) as local,
+    ):
+        for _ in range(3):
+            request = urllib.request.Request(
+                local.receiver.url + PUSH_PATH,
+                data=body,
+                headers={"Content-Type": PUSH_CONTENT_TYPE},
+            )
+            with urllib.request.urlopen(request, timeout=5) as response:
+                assert response.status == 200
+        assert local.receiver.pushes == 0
+        assert local.receiver.errors == []
+        profiles, memory_status = local.samples.status(), local.samples.memory.status()
+        assert profiles["pushes"] == 3
+        assert profiles["malformed_samples"] == 6
+        assert local.samples.sample_total(span) == 3 * 30_000_000
+        assert memory_status["malformed_samples"] == 3
+        assert local.samples.allocated_bytes(span) == 3 * 4096
+    skipped = [r.getMessage() for r in caplog.records if "skipped a" in r.getMessage()]
+    assert len(skipped) == 2, skipped
+
+
 def test_the_page_names_profiles_after_otel_service_name_before_the_module() -> None:
     """Spans carry OTEL_SERVICE_NAME; the profiles the page gets must carry the same name (the
     span-to-profile link matches on it), so the module name is only the last resort."""
@@ -1113,3 +1179,29 @@ def test_a_client_hanging_up_with_a_reset_prints_nothing(
     finally:
         ui.stop()
     assert capsys.readouterr().err == ""
+
+
+def test_a_push_the_store_fails_on_does_not_stay_in_the_receiver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever makes ingest fail (here an injected fault), the receiver still lets go of the
+    push and the failure shows up among the receiver's errors on the page."""
+    local = LocalMode(ui_port=0, environ={})
+
+    def broken(push: ReceivedPush) -> None:
+        raise RuntimeError("injected ingest fault")
+
+    monkeypatch.setattr(local.samples, "ingest", broken)
+    body = encode_push_request([([("__name__", "process_cpu")], [])])
+    with local:
+        for _ in range(2):
+            request = urllib.request.Request(
+                local.receiver.url + PUSH_PATH,
+                data=body,
+                headers={"Content-Type": PUSH_CONTENT_TYPE},
+            )
+            with urllib.request.urlopen(request, timeout=5) as response:
+                assert response.status == 200
+        assert local.receiver.pushes == 0
+        errors = local._status()["receiver_errors"]
+        assert any("injected ingest fault" in e for e in errors), errors

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._logging import log_once
 from .._profiling._encoders._memory import MEMORY_PERIOD_TYPE, MEMORY_SAMPLE_TYPES
 from .._profiling._encoders._pprof import DEFAULT_MAX_DEPTH, ProfileBuilder
 from .._profiling._encoders._push import PushSeries
@@ -88,6 +89,7 @@ class _Totals:
     labelled_alloc_bytes: int = 0
     evicted_spans: int = 0
     evicted_snapshots: int = 0
+    malformed_samples: int = 0
 
 
 def _series_key(series: PushSeries) -> tuple[tuple[str, str], ...]:
@@ -186,6 +188,16 @@ class MemoryStore:
             for sample in profile.samples:
                 values = sample.values
                 count = len(values)
+                # Values that do not line up with the types cannot be told apart.
+                if count != len(types):
+                    totals.malformed_samples += 1
+                    log_once(
+                        "local:malformed-memory-sample",
+                        f"spanprof dev: skipped a memory sample with {count} values for "
+                        f"{len(types)} sample types (counted as malformed_samples)",
+                        exc_info=False,
+                    )
+                    continue
                 # Negative values mean nothing here (a hostile push): they count as zero.
                 alloc = (
                     max(values[ao], 0) if 0 <= ao < count else 0,
@@ -424,6 +436,7 @@ class MemoryStore:
                 ),
                 "evicted_spans": totals.evicted_spans,
                 "evicted_snapshots": totals.evicted_snapshots,
+                "malformed_samples": totals.malformed_samples,
                 "kept_bytes": self._kept_bytes(),
             }
 

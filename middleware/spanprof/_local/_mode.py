@@ -366,10 +366,13 @@ class LocalMode:
     # -- receiver ------------------------------------------------------------------------------
 
     def _on_push(self, push: ReceivedPush) -> None:
-        self.samples.ingest(push)
-        # The receiver keeps every push for tests; here the sample store is the memory.
-        self._errors.extend(self.receiver.errors)
-        self.receiver.clear()
+        try:
+            self.samples.ingest(push)
+        finally:
+            # The receiver keeps every push for tests; here the sample store is the memory,
+            # and a push it failed on must not stay behind in the receiver either.
+            self._errors.extend(self.receiver.errors)
+            self.receiver.clear()
 
     def _status(self) -> dict[str, Any]:
         return {

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._logging import log_once
 from .._profiling._encoders._pprof import DEFAULT_MAX_DEPTH, ProfileBuilder
 from .._profiling._window import Frame
 from ._compare import SloComparison
@@ -57,6 +58,7 @@ class _Totals:
     samples_ns: int = 0
     labelled_ns: int = 0
     double_labelled_ns: int = 0
+    malformed_samples: int = 0
     services: set[str] = field(default_factory=set)
 
 
@@ -123,10 +125,25 @@ class SampleStore:
                         continue
                     if profile.period > 0:
                         self._period_ns = profile.period
+                    width = len(profile.sample_types)
                     for sample in profile.samples:
+                        # One value per sample type, or the sample means nothing; skipped,
+                        # not raised, so the rest of the push is kept.
+                        if len(sample.values) != width:
+                            self._malformed(width, len(sample.values))
+                            continue
                         self._add(sample.stack, sample.value, sample.labels, service, push)
             self._enforce_bytes()
         self.memory.ingest(push)
+
+    def _malformed(self, expected: int, got: int) -> None:
+        self._totals.malformed_samples += 1
+        log_once(
+            "local:malformed-cpu-sample",
+            f"spanprof dev: skipped a CPU sample with {got} values for {expected} sample "
+            "types (counted as malformed_samples)",
+            exc_info=False,
+        )
 
     def allocated_bytes(self, span_id: str) -> int:
         """Bytes ``span_id`` allocated, from the memory profiles received (0 when none)."""
@@ -248,6 +265,7 @@ class SampleStore:
                 "samples_ns": totals.samples_ns,
                 "labelled_ns": totals.labelled_ns,
                 "double_labelled_ns": totals.double_labelled_ns,
+                "malformed_samples": totals.malformed_samples,
                 "spans_with_samples": len(self._spans),
                 "evicted_spans": self._evicted,
                 "kept_bytes": self._stack_bytes + self._frames.bytes,
