@@ -11,6 +11,7 @@ import asyncio
 import gzip
 import json
 import logging
+import os
 import re
 import socket
 import struct
@@ -1205,3 +1206,34 @@ def test_a_push_the_store_fails_on_does_not_stay_in_the_receiver(
         assert local.receiver.pushes == 0
         errors = local._status()["receiver_errors"]
         assert any("injected ingest fault" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("factory", ["make_wsgi_app", "make_app"])
+def test_cli_reports_an_app_port_in_use_without_a_traceback(factory: str) -> None:
+    """`spanprof dev` on a port another process listens on says so and exits 1, WSGI and ASGI
+    alike, before claiming the app answers (it used to print the URL, then a traceback, or for
+    ASGI exit 3 after uvicorn's own log line)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "spanprof", "dev", f"tests.test_local_mode:{factory}",
+                "--factory", "--port", str(port), "--ui-port", "0", "--duration", "5"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}"}
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert f"spanprof dev: cannot listen for the app on 127.0.0.1:{port}: " in done.stderr
+    assert "Address already in use" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "spanprof dev: app " not in done.stdout
+
+
+@pytest.mark.parametrize("option", ["--port", "--ui-port"])
+def test_cli_refuses_a_port_out_of_range(option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A port past 65535 is a usage error naming the option, not an OverflowError from bind."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["dev", "x:app", option, "70000"])
+    assert exit_info.value.code == 2
+    assert f"argument {option}: expected a port number 0-65535, got 70000" in (
+        capsys.readouterr().err
+    )

@@ -21,6 +21,17 @@ and a local page listing SLO breaches, each with its own flame graph, trace and 
 """
 
 
+def _port(text: str) -> int:
+    """A TCP port number, refused by argparse (exit 2, usage shown) when out of range."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {port}")
+    return port
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spanprof", description="spanprof tools")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -32,14 +43,14 @@ def _parser() -> argparse.ArgumentParser:
     dev.add_argument("app", help="the app as module:attribute, e.g. myservice.main:app")
     dev.add_argument("--factory", action="store_true", help="call module:attribute to get the app")
     dev.add_argument("--host", default="127.0.0.1", help="app host (default 127.0.0.1)")
-    dev.add_argument("--port", type=int, default=8000, help="app port (default 8000)")
+    dev.add_argument("--port", type=_port, default=8000, help="app port (default 8000)")
     dev.add_argument(
         "--ui-host",
         default="127.0.0.1",
         help="page host (default 127.0.0.1; anything else shows your profiles, traces and "
         "request URLs to whoever can reach that address)",
     )
-    dev.add_argument("--ui-port", type=int, default=8001, help="page port (default 8001)")
+    dev.add_argument("--ui-port", type=_port, default=8001, help="page port (default 8001)")
     dev.add_argument(
         "--slo",
         metavar="SECONDS",
@@ -130,6 +141,17 @@ def dev(args: argparse.Namespace) -> int:
             app = import_app(args.app, factory=args.factory, app_dir=args.app_dir)
         except (ImportError, ValueError) as exc:
             print(f"spanprof dev: cannot import {args.app}: {exc}", file=sys.stderr)
+            return 1
+        try:
+            local.listen(app, args.interface)
+        except OSError as exc:
+            print(
+                f"spanprof dev: cannot listen for the app on {args.host}:{args.port}: {exc}",
+                file=sys.stderr,
+            )
+            return 1
+        except ValueError as exc:
+            print(f"spanprof dev: cannot serve {args.app}: {exc}", file=sys.stderr)
             return 1
         local.install_tracing()
         print(f"spanprof dev: app        {local.app_url}  ({args.app})", flush=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import socket
 import sys
 import threading
 import time
@@ -167,6 +168,9 @@ class LocalMode:
         self._started_at = time.monotonic()
         self._stop_lock = threading.Lock()
         self.interface: str | None = None
+        # What ``listen`` bound, for ``serve`` to take over.
+        self._wsgi_server: WSGIServer | None = None
+        self._asgi_socket: socket.socket | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -227,11 +231,40 @@ class LocalMode:
         """Run ``hook`` when ``request_stop`` is called (e.g. stop a helper server)."""
         self._stop_hooks.append(hook)
 
+    def listen(self, app: Any, interface: str = "auto") -> None:
+        """Bind ``host:port`` for ``app`` now rather than in ``serve``.
+
+        A port in use (``OSError``) then shows before anything says where the app answers;
+        with port 0, ``port`` becomes the one bound.
+        """
+        kind = self._interface(app, interface)
+        if kind == "wsgi":
+            if self._wsgi_server is None:
+                self._wsgi_server = make_server(
+                    self.host,
+                    self.port,
+                    app,
+                    server_class=_ThreadingWSGIServer,
+                    handler_class=_QuietHandler,
+                )
+                self.port = self._wsgi_server.server_port
+        elif self._asgi_socket is None:
+            # As uvicorn binds it (Config.bind_socket), which exits the process when it fails.
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((self.host, self.port))
+            except BaseException:
+                sock.close()
+                raise
+            sock.set_inheritable(True)
+            self._asgi_socket = sock
+            self.port = sock.getsockname()[1]
+
     def serve(self, app: Any, interface: str = "auto") -> None:
         """Serve ``app`` on ``host:port`` until Ctrl-C or ``request_stop()``; blocks."""
-        kind = detect_interface(app) if interface == "auto" else interface
-        if kind not in ("asgi", "wsgi"):
-            raise ValueError(f"interface: expected 'auto', 'asgi' or 'wsgi', got {interface!r}")
+        kind = self._interface(app, interface)
         self.interface = kind
         try:
             if kind == "asgi":
@@ -242,6 +275,13 @@ class LocalMode:
             pass  # Ctrl-C: the server already shut down gracefully
         finally:
             self._flush_profiler()
+
+    @staticmethod
+    def _interface(app: Any, interface: str) -> str:
+        kind = detect_interface(app) if interface == "auto" else interface
+        if kind not in ("asgi", "wsgi"):
+            raise ValueError(f"interface: expected 'auto', 'asgi' or 'wsgi', got {interface!r}")
+        return kind
 
     def request_stop(self) -> None:
         """Ask ``serve`` to return (thread-safe, idempotent)."""
@@ -256,6 +296,13 @@ class LocalMode:
         companions, self._companions = self._companions, []
         for stop_companion in companions:
             stop_companion()
+        # Bound by ``listen`` and never served: the port is released all the same.
+        if self._wsgi_server is not None:
+            self._wsgi_server.server_close()
+            self._wsgi_server = None
+        if self._asgi_socket is not None:
+            self._asgi_socket.close()
+            self._asgi_socket = None
         self.ui.stop()
         self.receiver.stop()
         for key, value in self._saved_env.items():
@@ -311,16 +358,13 @@ class LocalMode:
             server.should_exit = True
 
         self.on_stop(stop)
-        server.run()
+        sock, self._asgi_socket = self._asgi_socket, None
+        server.run(sockets=None if sock is None else [sock])
 
     def _serve_wsgi(self, app: Any) -> None:
-        server = make_server(
-            self.host,
-            self.port,
-            app,
-            server_class=_ThreadingWSGIServer,
-            handler_class=_QuietHandler,
-        )
+        self.listen(app, "wsgi")
+        server, self._wsgi_server = self._wsgi_server, None
+        assert server is not None
 
         def stop() -> None:
             # shutdown() waits for serve_forever to return: never from the serving thread.
