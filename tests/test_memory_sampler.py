@@ -717,6 +717,30 @@ def test_restart_after_stop() -> None:
     assert total(by_function(window, "churn"), 1) > 0
 
 
+def test_a_restarted_sampler_keeps_no_in_use_memory_of_its_earlier_session() -> None:
+    """stop() discards the in-use table, so the frees of the blocks the first session tracked are
+    never reported: a start() after it (ExactBackend.shutdown() then start() reuses its sampler)
+    must not keep them in use for good."""
+    warm_up()
+    with sampling(sample_bytes=8 * 1024) as sampler:
+        kept = keep_blocks(20_000)
+        first = sampler.take_window()
+    assert total(by_function(first, "keep_blocks"), 3) > 0.5 * len(kept) * BLOCK
+    del kept  # freed while nothing samples
+    sampler.start()
+    try:
+        churn(1000)
+        second = sampler.take_window()
+        stats = sampler.stats()
+    finally:
+        sampler.stop()
+    assert total(by_function(second, "churn"), 1) > 0  # the new session samples
+    assert total(by_function(second, "keep_blocks"), 3) == 0, by_function(second, "keep_blocks")
+    # The first session's ~2,500 tracked samples are forgotten; the new one's blocks were freed
+    # as soon as made, bar a few of the interpreter's own.
+    assert stats["live"] < 100, stats
+
+
 def test_free_threaded_builds_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a free-threaded CPython the sampler refuses to start and says why."""
     monkeypatch.setattr(

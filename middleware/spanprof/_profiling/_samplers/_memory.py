@@ -201,6 +201,13 @@ class MemorySampler:
                 )
             except RuntimeError as exc:
                 raise MemorySamplerUnavailable(str(exc)) from exc
+            # A new C session tracks no block yet: the blocks an earlier session tracked (before
+            # a stop() in this process) left with its table, and their frees will never be
+            # reported, so their in-use estimates would stay for good. The stack tables stay:
+            # they hold their code objects (their keys stay valid), and the allocations not yet
+            # in a window point into them.
+            self._live.clear()
+            self._inuse.clear()
             self._pid = pid
             self._started_ns = time.time_ns()
             _set_sampling(self)
