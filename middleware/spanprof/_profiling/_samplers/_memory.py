@@ -276,43 +276,58 @@ class MemorySampler:
 
     # --- drains and windows ---------------------------------------------------------------------
 
+    # The ignore flag is per OS thread. Under gevent a drain runs in a greenlet of the OS thread
+    # that runs the application's greenlets, and waiting for the lock or time.sleep() (both
+    # patched: even a failed non-blocking acquire sleeps) switches to them: they would run with
+    # the flag set, and nothing they allocate would be sampled. So the flag is set only once the
+    # lock is held, and never across a switch (_drain_locked clears it around its sleep). The
+    # lock is taken by a plain call, before anything else: on 3.10 `with` allocates (its bound
+    # __exit__), which would then be sampled as the caller's.
+
     def drain(self) -> None:
         """Move the C buffers' samples and frees into the estimates."""
-        ignoring = _ignore_thread(True)
+        self._lock.acquire()
         try:
-            with self._lock:
+            ignoring = _ignore_thread(True)
+            try:
                 if self._pid == os.getpid():
                     self._drain_locked()
+            finally:
+                _ignore_thread(ignoring)
         finally:
-            _ignore_thread(ignoring)
+            self._lock.release()
 
     def take_window(self) -> MemoryWindow:
         """The allocations since the last window, and what is in use now."""
-        # What building the window allocates is the sampler's own work, not the application's.
-        ignoring = _ignore_thread(True)
+        self._lock.acquire()
         try:
-            return self._take_window()
+            # What building the window allocates is the sampler's own work, not the
+            # application's.
+            ignoring = _ignore_thread(True)
+            try:
+                return self._take_window_locked()
+            finally:
+                _ignore_thread(ignoring)
         finally:
-            _ignore_thread(ignoring)
+            self._lock.release()
 
-    def _take_window(self) -> MemoryWindow:
-        with self._lock:
-            if self._pid == os.getpid():
-                self._drain_locked()
-            now = time.time_ns()
-            window = MemoryWindow(
-                self._started_ns,
-                self._tables,
-                values={k: round(v[1]) for k, v in self._allocated.items()},
-                end_ns=now,
-                alloc_objects={k: round(v[0]) for k, v in self._allocated.items()},
-                inuse={k: (round(v[0]), round(v[1])) for k, v in self._inuse.items()},
-            )
-            self._allocated = {}
-            self._started_ns = now
-            if len(self._tables) > _MAX_TABLE_SIZE:
-                self._reintern_live()
-            return window
+    def _take_window_locked(self) -> MemoryWindow:
+        if self._pid == os.getpid():
+            self._drain_locked()
+        now = time.time_ns()
+        window = MemoryWindow(
+            self._started_ns,
+            self._tables,
+            values={k: round(v[1]) for k, v in self._allocated.items()},
+            end_ns=now,
+            alloc_objects={k: round(v[0]) for k, v in self._allocated.items()},
+            inuse={k: (round(v[0]), round(v[1])) for k, v in self._inuse.items()},
+        )
+        self._allocated = {}
+        self._started_ns = now
+        if len(self._tables) > _MAX_TABLE_SIZE:
+            self._reintern_live()
+        return window
 
     def _drain_locked(self) -> None:
         # Called with the calling thread's allocations ignored (drain, take_window, stop).
@@ -339,8 +354,14 @@ class MemorySampler:
         for first in range(0, len(samples), 32):
             if first and time.perf_counter_ns() > deadline:
                 # A burst of samples is turned into estimates in slices: the application's
-                # threads get the GIL in between (this lock keeps other drains out).
-                time.sleep(0)
+                # threads get the GIL in between (this lock keeps other drains out). Under
+                # gevent the sleep switches to the application's greenlets, on this OS thread:
+                # they run with its allocations sampled again.
+                ignoring = _ignore_thread(False)
+                try:
+                    time.sleep(0)
+                finally:
+                    _ignore_thread(ignoring)
                 deadline = time.perf_counter_ns() + _SLICE_NS
             for (
                 sample_id,
