@@ -7,6 +7,7 @@ import contextvars
 import gc
 import importlib
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -683,7 +684,9 @@ def test_stop_restores_the_previous_allocators() -> None:
 
 
 def test_a_hook_installed_over_ours_is_not_cut_off() -> None:
-    """With tracemalloc installed after it, stop() leaves its hooks idle in place instead."""
+    """With tracemalloc installed after it, stop() leaves its hooks idle in place instead, and
+    start() refuses while tracemalloc sits over them. Once tracemalloc is stopped (it puts back
+    what it saved: our idle hooks, on top again), start() takes them out and starts afresh."""
     _available()
     script = """
 import tracemalloc
@@ -701,12 +704,18 @@ stats = _alloc.stats()
 assert stats["stuck"] == 1 and stats["active"] == 0, stats
 # Idle: a megabyte through the hooks at one sample per KiB, and none taken.
 assert stats["samples"] == sampled, (stats, sampled)
-tracemalloc.stop()
-del blocks
 try:
     sampler.start()
 except RuntimeError as exc:
     print("refused:", exc)
+tracemalloc.stop()
+del blocks
+sampler.start()
+blocks = [bytes(1000) for _ in range(1000)]
+window = sampler.take_window()
+sampler.stop()
+assert sum(window.values.values()) > 0, window.values
+assert _alloc.allocator(2) == before
 print("ok")
 """
     result = subprocess.run(
@@ -716,6 +725,84 @@ print("ok")
     assert "refused:" in result.stdout
     assert "another allocator hook" in result.stdout
     assert result.stdout.strip().endswith("ok")
+
+
+_CUT_OFF_SCRIPT = """
+import gc, json, tracemalloc
+from spanprof._profiling._samplers._memory import MemorySampler
+from spanprof._profiling._samplers import _alloc
+
+def kept_alloc():
+    return [bytes(1000) for _ in range(10000)]
+
+def later_alloc():
+    return [bytes(1000) for _ in range(10000)]
+
+def in_window(window, function, inuse):
+    values = window.inuse.items() if inuse else window.values.items()
+    return sum(
+        (v[1] if inuse else v)
+        for (sid, _), v in values
+        if any(frame.function == function for frame in window.stack(sid))
+    )
+
+before = [_alloc.allocator(domain) for domain in (0, 1, 2)]
+tracemalloc.start()
+sampler = MemorySampler(sample_bytes=8192, drain_interval=3600.0, max_samples=100_000, seed=3)
+sampler.start()
+kept = kept_alloc()
+sampler.drain()
+tracemalloc.stop()  # puts back the allocators it saved: ours are out of the chain
+del kept
+gc.collect()
+later = later_alloc()
+window = sampler.take_window()
+stats = sampler.stats()
+raw = _alloc.stats()
+sampler.stop()
+out = {
+    "kept_inuse": in_window(window, "kept_alloc", True),
+    "cut_off": stats.get("cut_off"),
+    "active": raw["active"],
+    "stuck": _alloc.stats()["stuck"],
+    "restored": [_alloc.allocator(domain) for domain in (0, 1, 2)] == before,
+}
+try:
+    sampler.start()
+except RuntimeError as exc:
+    out["restart"] = str(exc)
+else:
+    later = later_alloc()
+    again = sampler.take_window()
+    sampler.stop()
+    out["restart"] = in_window(again, "later_alloc", False)
+    out["restored_again"] = [_alloc.allocator(domain) for domain in (0, 1, 2)] == before
+print(json.dumps(out))
+"""
+
+
+def test_hooks_cut_out_of_the_chain_are_reported_and_do_not_block_a_restart() -> None:
+    """tracemalloc started before the sampler and stopped while it samples puts back the
+    allocators it saved, under the sampler's hooks: those are out of the chain. The sampler
+    says so (stats, one warning) and drops the in-use memory whose frees it can no longer see;
+    stop() does not mistake it for a hook over its own (which leaves them stuck and refuses
+    every later start), and a new start() samples again."""
+    _available()
+    result = subprocess.run(
+        [sys.executable, "-c", _CUT_OFF_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["cut_off"] == 1, out
+    assert out["active"] == 0, out
+    assert out["kept_inuse"] == 0, out  # 10 MB, all freed since
+    assert out["stuck"] == 0, out
+    assert out["restored"] is True, out
+    assert isinstance(out["restart"], int), out  # not the refusal's message
+    assert out["restart"] > 5_000_000, out  # 10 MB allocated
+    assert out["restored_again"] is True, out
+    assert result.stderr.count("taken out from under it") == 1, result.stderr
+    assert "another allocator hook" not in result.stderr, result.stderr
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")

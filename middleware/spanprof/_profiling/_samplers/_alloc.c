@@ -177,6 +177,16 @@ static int active;
 /* The hooks stay installed but idle: another allocator was put over them, so stop() could not
  * take them out without cutting that one off. */
 static int stuck;
+/* A hook of ours was found cut out of its domain's chain while sampling: something that had
+ * saved the allocators below ours put them back (tracemalloc started before start() and stopped
+ * after it). Sampling stopped there; stays set until stop(). */
+static int cut_off;
+/* A probe (probe_reaches) is under way: the slow paths it goes through set probe_hit instead of
+ * sampling. Globals, not thread-locals: any thread that reaches one of our hooks meanwhile
+ * shows as well that the chain still leads there (one chain per domain for the process).
+ * Accessed atomically: RAW's realloc hook reads `probing` without the GIL. */
+static int probing;
+static int probe_hit;
 /* The bytes that may still pass unsampled: the block that takes more than this (the
  * subtraction borrows) is sampled. Unsigned, so the fast path's one subtraction is also its
  * test. While sampling is off it is kept out of reach, so that the malloc fast path needs no
@@ -786,6 +796,11 @@ sample_block(void *ptr, size_t size)
 static __attribute__((noinline)) void
 countdown_reached(void *ptr, size_t size)
 {
+    if (__atomic_load_n(&probing, __ATOMIC_RELAXED)) {
+        /* The probe's own allocation (or one racing it) came through this hook: no sample. */
+        __atomic_store_n(&probe_hit, 1, __ATOMIC_RELAXED);
+        return;
+    }
     if (!active) {
         countdown = IDLE_COUNTDOWN;
         return;
@@ -976,6 +991,9 @@ static void *
 hook_realloc_raw(void *Py_UNUSED(ctx), void *old, size_t new_size)
 {
     void *ptr = hook_raw.previous.realloc(hook_raw.previous.ctx, old, new_size);
+    if (__builtin_expect(__atomic_load_n(&probing, __ATOMIC_RELAXED), 0)) {
+        __atomic_store_n(&probe_hit, 1, __ATOMIC_RELAXED);  /* see probe_reaches */
+    }
     if (ptr != NULL && may_be_tracked(old)) {
         forget_tracked(old);
     }
@@ -1191,6 +1209,126 @@ is_ours(domain_hook_t *hook)
            now.free == hook->ours.free;
 }
 
+/* Whether a call into `hook`'s domain still reaches our hook there: 1 yes, 0 no, -1 unknown (an
+ * allocation failed before the chain got to ours). With the GIL, outside the hooks: it
+ * allocates and frees one small block through the domain, and the hooks it passes through tell
+ * it they ran (countdown_reached, hook_realloc_raw) without sampling anything. */
+static int
+probe_reaches(domain_hook_t *hook)
+{
+    uint64_t saved = countdown;
+    void *ptr, *moved = NULL;
+    int hit;
+    __atomic_store_n(&probe_hit, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&probing, 1, __ATOMIC_RELAXED);
+    if (hook == &hook_raw) {
+        /* Ours on RAW are its realloc and free (its malloc is the previous one's). */
+        ptr = PyMem_RawMalloc(1);
+        if (ptr != NULL) {
+            moved = PyMem_RawRealloc(ptr, 2);
+            PyMem_RawFree(moved != NULL ? moved : ptr);
+        }
+    }
+    else {
+        /* The countdown spent: a malloc that reaches ours takes its slow path. */
+        countdown = 0;
+        if (hook == &hook_obj) {
+            ptr = moved = PyObject_Malloc(1);
+            PyObject_Free(ptr);
+        }
+        else {
+            ptr = moved = PyMem_Malloc(1);
+            PyMem_Free(ptr);
+        }
+    }
+    __atomic_store_n(&probing, 0, __ATOMIC_RELAXED);
+    countdown = saved;
+    hit = __atomic_load_n(&probe_hit, __ATOMIC_RELAXED);
+    if (hit) {
+        return 1;
+    }
+    return ptr == NULL || moved == NULL ? -1 : 0;
+}
+
+/* Where a hook of ours is in its domain's chain. */
+typedef enum {
+    HOOK_ON_TOP,   /* what the domain calls first */
+    HOOK_BELOW,    /* under another hook, which calls it */
+    HOOK_GONE,     /* out of the chain: whoever had saved the allocators under it put them back */
+} hook_place_t;
+
+static hook_place_t
+hook_place(domain_hook_t *hook)
+{
+    if (is_ours(hook)) {
+        return HOOK_ON_TOP;
+    }
+    /* Unknown counts as below: idle hooks left in place are harmless, taking out ones that
+     * are still called is not. */
+    return probe_reaches(hook) == 0 ? HOOK_GONE : HOOK_BELOW;
+}
+
+/* Take our hooks out wherever that cuts nobody off. 0 when another hook sits over one of ours:
+ * then all stay, idle (taking ours out would cut that one off, which calls ours). `*gone` is set
+ * when some had been cut out of the chain already. */
+static int
+take_out_hooks(int *gone)
+{
+    /* RAW last: a sampled block may still be moved or freed through RAW until OBJ and MEM are
+     * ours no more. A thread inside its hook (RAW runs without the GIL) finishes there: the
+     * hook's code and `previous` stay. */
+    domain_hook_t *order[3] = {&hook_mem, &hook_obj, &hook_raw};
+    hook_place_t place[3] = {HOOK_GONE, HOOK_GONE, HOOK_GONE};
+    int i;
+    *gone = 0;
+    for (i = 0; i < 3; i++) {
+        if (!order[i]->installed) {
+            continue;
+        }
+        place[i] = hook_place(order[i]);
+        if (place[i] == HOOK_BELOW) {
+            return 0;
+        }
+        if (place[i] == HOOK_GONE) {
+            *gone = 1;
+        }
+    }
+    for (i = 0; i < 3; i++) {
+        if (!order[i]->installed) {
+            continue;
+        }
+        /* A hook cut out of the chain is called no more: what is in place is someone else's,
+         * left alone. Its `previous` stays, should a saved copy of ours come back. */
+        if (place[i] == HOOK_ON_TOP) {
+            PyMem_SetAllocator(order[i]->domain, &order[i]->previous);
+        }
+        order[i]->installed = 0;
+    }
+    return 1;
+}
+
+/* While sampling: whether a hook of ours was cut out of its chain (tracemalloc started before
+ * start() and stopped since puts back the allocators it had saved, under ours). Then nothing
+ * more is sampled, nor the frees of tracked blocks seen: sampling stops, and says so. */
+static int
+check_cut_off(void)
+{
+    domain_hook_t *hooks[3] = {&hook_obj, &hook_mem, &hook_raw};
+    int i;
+    if (!active || cut_off) {
+        return cut_off;
+    }
+    for (i = 0; i < 3; i++) {
+        if (hooks[i]->installed && hook_place(hooks[i]) == HOOK_GONE) {
+            cut_off = 1;
+            active = 0;
+            countdown = IDLE_COUNTDOWN;
+            break;
+        }
+    }
+    return cut_off;
+}
+
 #ifndef Py_T_OBJECT_EX
 #  define Py_T_OBJECT_EX 16  /* structmember.h's T_OBJECT_EX, before 3.12 named it so */
 #endif
@@ -1261,10 +1399,16 @@ alloc_start(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     if (stuck) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "allocation sampling cannot restart: its hooks are still installed "
-                        "under another allocator hook that was set after them");
-        return NULL;
+        /* Left idle under another hook by stop(): that one may be gone since (it put ours
+         * back on top, or cut them out of the chain), and ours can then come out now. */
+        int gone;
+        if (!take_out_hooks(&gone)) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "allocation sampling cannot restart: its hooks are still installed "
+                            "under another allocator hook that was set after them");
+            return NULL;
+        }
+        stuck = 0;
     }
     if (active || hook_obj.installed) {
         PyErr_SetString(PyExc_RuntimeError, "allocation sampling already runs");
@@ -1338,6 +1482,7 @@ alloc_start(PyObject *Py_UNUSED(module), PyObject *args)
     n_reentered = n_foreign = n_truncated = 0;
     n_span_full = n_span_expired = 0;
     span_gen = 0;
+    cut_off = 0;
     /* Asked before any hook of ours is in place (then the allocators are no longer the
      * defaults); RAW's hook first, so that it is there when the first sampled block is. */
     frees_via_raw = allocators_are_pymalloc();
@@ -1366,35 +1511,35 @@ PyDoc_STRVAR(stop_doc,
 static PyObject *
 alloc_stop(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
 {
-    int restored = 1;
+    int restored, gone;
     if (!hook_obj.installed) {
         Py_RETURN_TRUE;
     }
     active = 0;
-    if (!is_ours(&hook_obj) || (hook_mem.installed && !is_ours(&hook_mem)) ||
-        (hook_raw.installed && !is_ours(&hook_raw))) {
-        /* Taking ours out would cut off the hook above, which calls ours: stay, idle. */
+    /* Hooks another one sits over stay, idle: taking ours out would cut that one off. Hooks
+     * already cut out of the chain by someone else are only forgotten. */
+    restored = take_out_hooks(&gone);
+    if (!restored) {
         stuck = 1;
-        restored = 0;
-    }
-    else {
-        if (hook_mem.installed) {
-            PyMem_SetAllocator(hook_mem.domain, &hook_mem.previous);
-            hook_mem.installed = 0;
-        }
-        PyMem_SetAllocator(hook_obj.domain, &hook_obj.previous);
-        hook_obj.installed = 0;
-        /* Last: a sampled block may still be moved or freed through RAW until OBJ and MEM
-         * are ours no more. A thread inside this hook (RAW runs without the GIL) finishes
-         * there: the hook's code and `previous` stay. */
-        if (hook_raw.installed) {
-            PyMem_SetAllocator(hook_raw.domain, &hook_raw.previous);
-            hook_raw.installed = 0;
-        }
     }
     countdown = IDLE_COUNTDOWN;
+    cut_off = 0;
     free_state();
     return PyBool_FromLong(restored);
+}
+
+PyDoc_STRVAR(check_hooks_doc,
+"check_hooks() -> bool\n"
+"--\n"
+"\n"
+"Whether sampling stopped because a hook was cut out of its allocator chain since start(): some\n"
+"tool that saved the allocators below these put them back (tracemalloc, started before start()\n"
+"and stopped since). Nothing is sampled from then on, nor are frees of tracked blocks seen.");
+
+static PyObject *
+alloc_check_hooks(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
+{
+    return PyBool_FromLong(check_cut_off());
 }
 
 /* What the drain makes of one record before handing it over. */
@@ -1796,21 +1941,23 @@ PyDoc_STRVAR(stats_doc,
 "--\n"
 "\n"
 "Counters since start(): samples, dropped, untracked, tracked (now), frees, lost_frees,\n"
-"reentered, foreign, truncated, span_totals (now), span_full, span_expired; active, stuck and\n"
-"frees_via_raw (sampled blocks are freed through RAW, see the module's source) as 0/1.");
+"reentered, foreign, truncated, span_totals (now), span_full, span_expired; active, stuck,\n"
+"cut_off (see check_hooks) and frees_via_raw (sampled blocks are freed through RAW, see the\n"
+"module's source) as 0/1.");
 
 static PyObject *
 alloc_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
 {
+    check_cut_off();  /* so that `active` is not claimed for hooks nothing calls */
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsisisi}", "samples", (unsigned long long)n_samples, "dropped",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsisisisi}", "samples", (unsigned long long)n_samples, "dropped",
         (unsigned long long)n_dropped, "untracked", (unsigned long long)n_untracked, "tracked",
         (unsigned long long)ntracked, "frees", (unsigned long long)n_frees, "lost_frees",
         (unsigned long long)n_lost_frees, "probes", (unsigned long long)n_probes, "reentered", (unsigned long long)n_reentered,
         "foreign", (unsigned long long)n_foreign, "truncated", (unsigned long long)n_truncated,
         "span_totals", (unsigned long long)nspans, "span_full", (unsigned long long)n_span_full,
         "span_expired", (unsigned long long)n_span_expired, "active", active, "stuck", stuck,
-        "frees_via_raw", frees_via_raw);
+        "cut_off", cut_off, "frees_via_raw", frees_via_raw);
 }
 
 PyDoc_STRVAR(allocator_doc,
@@ -2112,6 +2259,7 @@ static PyMethodDef alloc_methods[] = {
     {"stop", alloc_stop, METH_NOARGS, stop_doc},
     {"drain", alloc_drain, METH_VARARGS, drain_doc},
     {"stats", alloc_stats, METH_NOARGS, stats_doc},
+    {"check_hooks", alloc_check_hooks, METH_NOARGS, check_hooks_doc},
     {"take_span", alloc_take_span, METH_O, take_span_doc},
     {"ignore_thread", alloc_ignore_thread, METH_O, ignore_thread_doc},
     {"ignore_leaf", alloc_ignore_leaf, METH_O, ignore_leaf_doc},

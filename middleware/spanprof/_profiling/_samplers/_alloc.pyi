@@ -57,6 +57,9 @@ def ignore_thread(ignore: bool, /) -> bool:
 def ignore_leaf(code: CodeType | None, /) -> None:
     """Leave unsampled the allocations made while ``code`` runs in the leaf Python frame."""
 
+def check_hooks() -> bool:
+    """Whether sampling stopped because a hook was cut out of its allocator chain since start()."""
+
 def stats() -> dict[str, int]:
     """Counters since start()."""
 

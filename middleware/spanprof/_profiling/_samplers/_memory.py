@@ -398,6 +398,8 @@ class MemorySampler:
                         total[0] += objects
                         total[1] += nbytes
                         total[2] += 1
+        if _alloc.check_hooks():
+            self._cut_off_locked()
         forget = live.pop
         for sample_id in freed:
             entry = forget(sample_id, None)
@@ -415,6 +417,26 @@ class MemorySampler:
         took = time.perf_counter_ns() - started
         if took > self.max_drain_ns:
             self.max_drain_ns = took
+
+    def _cut_off_locked(self) -> None:
+        # The hooks were cut out of the allocator chain: no frees of the tracked blocks will
+        # be seen, so their in-use estimates would stay for good.
+        self._live.clear()
+        self._inuse.clear()
+        # Logging may wait for a lock, which under gevent switches to other greenlets: not
+        # with the thread's allocations ignored (see drain).
+        ignoring = _ignore_thread(False)
+        try:
+            log_once(
+                "memory-hooks-cut-off",
+                "spanprof: the memory sampler's allocator hooks were taken out from under it "
+                "(tracemalloc started before the sampler and stopped since puts back the "
+                "allocators it saved): allocations are no longer sampled; memory profiles "
+                "resume when the sampler is restarted",
+                exc_info=False,
+            )
+        finally:
+            _ignore_thread(ignoring)
 
     def _reintern_live(self) -> None:
         # Start new tables, carrying over only the stacks that live samples still point at.
