@@ -583,12 +583,10 @@ span_clear(void)
 static int
 in_main_interpreter(PyThreadState *tstate)
 {
-#if PY_VERSION_HEX >= 0x030C0000
+    /* Before 3.12 too: all interpreters share one GIL there, but a subinterpreter's frees are
+     * never seen (holds_gil compares with the thread's main-interpreter state), so its sampled
+     * blocks would stay in use for good. `tstate` is the GIL holder's: reading it is safe. */
     return PyThreadState_GetInterpreter(tstate) == main_interp;
-#else
-    (void)tstate;
-    return 1;  /* one GIL for all interpreters */
-#endif
 }
 
 #if PY_VERSION_HEX >= 0x030B0000 && ALLOC_FRAMES_KNOWN
