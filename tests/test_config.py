@@ -368,6 +368,18 @@ def test_redact_url_hides_everything_before_the_last_at_sign() -> None:
     assert redact_url("https://h:4040/p") == "https://h:4040/p"
 
 
+def test_redact_url_hides_the_values_of_a_query() -> None:
+    """An OTLP profiles endpoint may keep a query, and keys travel there (``?api_key=``): its
+    names stay readable, its values are hidden, in every message and repr that shows the URL."""
+    from spanprof._config import redact_url
+
+    assert (
+        redact_url("https://h/v1?api_key=s3cret&tenant=a") == "https://h/v1?api_key=***&tenant=***"
+    )
+    assert redact_url("https://u:p@h/v1?k=v#f") == "https://u:***@h/v1?k=***#f"
+    assert redact_url("https://h/v1?flag") == "https://h/v1?flag"
+
+
 @pytest.mark.parametrize(
     "address",
     [

@@ -76,18 +76,28 @@ def _userinfo_span(url: str) -> tuple[int, int] | None:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its user info (``user:pass@``) shown as ``user:***@``, or ``***@``.
+    """``url`` with its user info (``user:pass@``) shown as ``user:***@``, or ``***@``, and the
+    values of its query shown as ``***`` (``?api_key=***``).
 
     Everything before the last ``@`` after ``//`` is taken as user info, however urlsplit would
-    cut it. The user name is kept only beside a password: alone, it is often a token.
+    cut it. The user name is kept only beside a password: alone, it is often a token. A query
+    (an OTLP profiles endpoint may keep one) is the other place a URL carries keys.
     """
     span = _userinfo_span(url)
-    if span is None:
+    if span is not None:
+        start, at = span
+        user, colon, _ = url[start:at].partition(":")
+        shown = f"{user}:***" if colon and not any(c in user for c in "/?#") else "***"
+        url = url[:start] + shown + url[at:]
+    base, question, rest = url.partition("?")
+    if not question:
         return url
-    start, at = span
-    user, colon, _ = url[start:at].partition(":")
-    shown = f"{user}:***" if colon and not any(c in user for c in "/?#") else "***"
-    return url[:start] + shown + url[at:]
+    query, hash_, fragment = rest.partition("#")
+    hidden = "&".join(
+        name + "=***" if eq else name
+        for name, eq, _ in (item.partition("=") for item in query.split("&"))
+    )
+    return f"{base}?{hidden}{hash_}{fragment}"
 
 
 _BRACKETED_HOST = re.compile(r"\[([^\[\]]*)\](:[^\[\]]*)?\Z")
