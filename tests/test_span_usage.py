@@ -136,6 +136,46 @@ def test_asgi_tells_the_profiler_each_verdict_while_the_span_is_open(
     _check(backend, span_exporter, metric_reader, len(paths))
 
 
+def test_a_reused_server_span_a_raising_app_left_gets_its_verdict_once(
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    meter_provider: MeterProvider,
+    metric_reader: InMemoryMetricReader,
+) -> None:
+    """Under an outer OpenTelemetry middleware (or FastAPI's telemetry) spanprof labels that
+    middleware's span. An app that raises sends no response through spanprof (the error page
+    goes out further out): the profiler was told no verdict, so a slow failing request's
+    samples left the hold without `slo`, while the span and the exemplar said breached."""
+    from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+    from opentelemetry.metrics import NoOpMeterProvider
+
+    async def failing(scope: Any, receive: Any, send: Any) -> None:
+        await asyncio.sleep(0.08 if scope["path"] == "/slow" else 0)
+        raise RuntimeError("the app failed")
+
+    backend = _EndingBackend()
+    inner = ProfilingMiddleware(
+        failing,
+        profiler=backend,
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+        slo_seconds=0.05,
+        environ={},
+    )
+    app = OpenTelemetryMiddleware(
+        inner, tracer_provider=tracer_provider, meter_provider=NoOpMeterProvider()
+    )
+
+    async def main() -> list[int]:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return [(await client.get(path)).status_code for path in ("/slow", "/fast")]
+
+    assert asyncio.run(main()) == [500, 500]
+    assert [breached for _, breached in backend.ended] == [True, False]
+    _check(backend, span_exporter, metric_reader, 2)
+
+
 def test_wsgi_tells_the_profiler_each_verdict_while_the_span_is_open(
     tracer_provider: TracerProvider,
     span_exporter: InMemorySpanExporter,

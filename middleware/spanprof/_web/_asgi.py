@@ -553,9 +553,15 @@ class ProfilingMiddleware:
         finally:
             _leave(request)
             _REQUEST.reset(token)
+            if timed and request.finished is None and request.span is not None:
+                # A reused server span the app left without completing a response (it raised:
+                # Starlette's error page is sent outside this layer). The outer instrumentation
+                # ends that span after this, so the verdict is still decided here, once, for the
+                # span's mark, the exemplar and the samples' label alike.
+                request.conclude(time.perf_counter(), durations, runtime)
             if request.span_id is not None:
-                # Not concluded while the span was open (a websocket; a reused server span the
-                # app left without a response): its samples still leave the hold.
+                # Not concluded while the span was open (a websocket): its samples still leave
+                # the hold.
                 request.usage = end_span(runtime, request.span, request.span_id, request.breached)
             if timed:
                 finished = request.finished
