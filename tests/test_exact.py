@@ -22,6 +22,7 @@ from types import FrameType
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 import spanprof
@@ -1105,3 +1106,57 @@ def test_the_span_cpu_taker_pops_what_the_span_s_samples_booked(
     assert sampler.span_resets == 1
     assert take("a", 0) == 0
     assert take("b", 0) == 2
+
+
+def test_samples_booked_after_their_span_ended_are_not_kept_for_it() -> None:
+    """A sync endpoint's pool job, or a background task, is sampled under the request's labels
+    after the request ended and took its span's CPU: that CPU made an entry nobody took again,
+    one for about half the requests, until 65,536 of them reset the table and cost the spans in
+    flight their CPU (spanprof.cpu_time_s low or missing)."""
+    require(LINUX, "the exact sampler needs Linux thread CPU clocks")
+    from opentelemetry.sdk.trace import TracerProvider
+    from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse, Response
+    from starlette.routing import Route
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    def pooled(request: Request) -> Response:  # Starlette runs it in its thread pool
+        burn(0.004)
+        return PlainTextResponse("x")
+
+    async def background(request: Request) -> Response:  # runs after the response, labelled
+        return PlainTextResponse("x", background=BackgroundTask(burn, 0.004))
+
+    with PushReceiver() as receiver:
+        backend = ExactBackend(
+            server_address=receiver.url, application_name="late", upload_interval=60, memory=False
+        )
+        app = spanprof.ProfilingMiddleware(
+            Starlette(routes=[Route("/pooled", pooled), Route("/background", background)]),
+            profiler=backend,
+            tracer_provider=TracerProvider(),  # span ids to credit
+            environ={},
+        )
+
+        async def main() -> None:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                for path in ("/pooled", "/background") * 150:
+                    assert (await client.get(path)).status_code == 200
+
+        try:
+            asyncio.run(main())
+            sampler = backend._sampler
+            assert sampler is not None
+            left = dict(sampler._span_ns)
+            late = backend.stats()["span_cpu_late_ms"]
+        finally:
+            backend.shutdown()
+    assert left == {}  # no request is in flight
+    assert late > 0  # and some CPU did come after its span's end

@@ -430,6 +430,9 @@ class ExactBackend(WithPyroscopeSettings):
             else:
                 self._sampler, self._exporters, self._hold = sampler, exporters, hold
                 self._take_span_cpu = sampler.span_cpu_taker()
+                # end_span records the verdict before it takes the CPU: a span with a verdict
+                # has had its CPU taken, and later samples of it are not kept for it.
+                sampler.span_ended = hold.verdicts.ended
                 self._sink = sampler.set_thread_labels
                 self._ident = sampler.ident
                 # The main thread's labels are read from its context, not pushed.

@@ -55,6 +55,13 @@ class Verdicts:
         else:
             self.dropped += 1
 
+    def ended(self, span_id: str) -> bool:
+        """Whether ``span_id`` ended recently: its verdict is still kept (a few uploads)."""
+        if span_id in self.current:
+            return True
+        # A reader replaces or appends to the list under its lock: read a snapshot.
+        return any(span_id in verdicts for _, verdicts in tuple(self._sealed))
+
     def reader(self) -> VerdictReader:
         """A new reader, which sees every verdict recorded from now on."""
         with self._lock:

@@ -525,6 +525,11 @@ class Sampler:
         # span_id -> CPU booked on its samples (see span_cpu_ns).
         self._span_ns: dict[str, int] = {}
         self.span_resets = 0
+        #: Whether a span already ended (its CPU taken): set by the owner that ends spans.
+        #: Samples booked after that (a pool job's last slice, a background task) would make an
+        #: entry nobody takes again.
+        self.span_ended: Callable[[str], bool] | None = None
+        self.span_late_ns = 0
         self.ticks = 0
         self.handler_cpu_ns = 0
         self.samples = 0
@@ -862,6 +867,7 @@ class Sampler:
             "inconsistent": self.inconsistent,
             "errors": self.errors,
             "span_cpu_resets": self.span_resets,
+            "span_cpu_late_ms": self.span_late_ns / 1e6,
             "sampled_ms": self.sampled_ns / 1e6,
             "max_sample_ms": self.max_weight_ns / 1e6,
             "carried_ms": self.carried_ns / 1e6,
@@ -1180,6 +1186,12 @@ class Sampler:
             spans = self._span_ns
             if span_id in spans:
                 spans[span_id] += weight
+                return
+            ended = self.span_ended
+            if ended is not None and ended(span_id):
+                # Booked after its span ended and took its CPU: kept, it would stay for good,
+                # and fill the table until a reset cost the spans in flight their CPU.
+                self.span_late_ns += weight
             elif len(spans) < _MAX_SPANS:
                 spans[span_id] = weight
             else:
