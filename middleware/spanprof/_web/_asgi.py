@@ -486,7 +486,7 @@ class ProfilingMiddleware:
         # Inside FastAPI's own telemetry, its server span is the request's: FastAPI renames it
         # when its router picks the route, so the request is named the way FastAPI names it.
         # (Its span is the one it put in the scope, sampled out or not.)
-        fastapi = fastapi_telemetry_naming(scope, current)
+        fastapi = fastapi_telemetry_naming(scope, current) if "fastapi.telemetry" in scope else None
         reused = fastapi is not None or is_server_span(current)
         if fastapi is None:
             template = self._template(scope)
