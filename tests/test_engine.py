@@ -358,6 +358,49 @@ def test_install_twice_and_uninstall_restore_originals() -> None:
     ) == originals
 
 
+def test_wrappers_applied_after_import_run_while_installed_and_are_restored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Handle._run`` and ``submit`` wrapped by another library after ``import spanprof`` keep
+    running under the engine's hooks, and uninstalling puts exactly those wrappers back."""
+    asyncio_run = asyncio.Handle._run
+    pool_submit = concurrent.futures.ThreadPoolExecutor.submit
+    calls = {"run": 0, "submit": 0}
+
+    def other_run(self: asyncio.Handle) -> None:
+        calls["run"] += 1
+        asyncio_run(self)
+
+    def other_submit(
+        self: concurrent.futures.ThreadPoolExecutor, fn: Any, /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[Any]:
+        calls["submit"] += 1
+        return pool_submit(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio.Handle, "_run", other_run)
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "submit", other_submit)
+    backend = RecorderBackend()
+    labelled: list[LabelSet] = []
+
+    async def main() -> None:
+        with profile_labels(req="wrapped"):
+            await asyncio.sleep(0)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pool.submit(lambda: labelled.append(backend.thread_labels())).result()
+
+    spanprof.engine.install_label_engine(backend, mechanism="hooks")
+    try:
+        assert asyncio.Handle._run is not other_run
+        run_on("asyncio", main)
+    finally:
+        spanprof.engine.uninstall_label_engine()
+    assert calls["run"] > 0
+    assert calls["submit"] == 1
+    assert labelled == [LabelSet({"req": "wrapped"})]
+    assert asyncio.Handle._run is other_run
+    assert concurrent.futures.ThreadPoolExecutor.submit is other_submit
+
+
 class _ReadsMainContext(RecorderBackend):
     """A recorder that, like the exact sampler, reads the main thread's labels itself."""
 

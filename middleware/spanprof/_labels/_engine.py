@@ -228,6 +228,9 @@ def installed_mechanism() -> Mechanism | None:
 
 # --- asyncio handles -------------------------------------------------------------------------
 
+# The ``Handle._run`` the hooks call: whatever was in place when the engine was installed (asyncio's
+# own, or a wrapper another library applied after spanprof was imported), and what uninstalling
+# puts back. Set by _install_patches; asyncio's own until then.
 _orig_handle_run: Callable[[asyncio.Handle], None] = asyncio.Handle._run
 
 
@@ -310,9 +313,8 @@ def _is_asyncios_own(run: Callable[..., object]) -> bool:
 
 # How the Python hook reports a failed sync after the step: as asyncio's own _run reports a
 # failing callback, when the hooked _run is asyncio's own (as the C hook, which replaces it then).
-_report_sync_failure: Callable[[asyncio.Handle, BaseException], None] | None = (
-    _report_callback_error if _is_asyncios_own(_orig_handle_run) else None
-)
+# Decided again at each install, for the _run hooked then.
+_report_sync_failure: Callable[[asyncio.Handle, BaseException], None] | None = None
 
 
 def _handle_run_hook() -> Callable[[asyncio.Handle], None]:
@@ -596,6 +598,7 @@ def run_labelled(labels: LabelSet, fn: Callable[..., T], /, *args: Any, **kwargs
         apply(previous)
 
 
+# The submit _submit calls: the one in place at install (see _orig_handle_run); set then.
 _orig_submit = concurrent.futures.ThreadPoolExecutor.submit
 
 
@@ -692,16 +695,24 @@ def _watch_contexts() -> bool:
 
 def _install_patches(mechanism: Mechanism) -> Mechanism:
     # The mechanism installed: the hooks when the watcher cannot be had.
+    global _orig_handle_run, _report_sync_failure, _orig_submit
     if _c_set_quiet is not None:
         _c_set_quiet(_QUIET)
     if mechanism == "watcher" and _watch_contexts():
         installed: Mechanism = "watcher"
     else:
         installed = "hooks"
+        # Read now, not at import: a wrapper another library applied since keeps running under
+        # the hook, and is what uninstalling restores.
+        handle_run = asyncio.Handle._run
+        _orig_handle_run = handle_run
+        _report_sync_failure = _report_callback_error if _is_asyncios_own(handle_run) else None
         setattr(asyncio.Handle, "_run", _handle_run_hook())  # noqa: B010 - a swap mypy forbids
-        _restore.append(lambda: setattr(asyncio.Handle, "_run", _orig_handle_run))
+        _restore.append(lambda: setattr(asyncio.Handle, "_run", handle_run))
+    submit = concurrent.futures.ThreadPoolExecutor.submit
+    _orig_submit = submit
     concurrent.futures.ThreadPoolExecutor.submit = _submit  # type: ignore[method-assign,assignment]
-    _restore.append(lambda: setattr(concurrent.futures.ThreadPoolExecutor, "submit", _orig_submit))
+    _restore.append(lambda: setattr(concurrent.futures.ThreadPoolExecutor, "submit", submit))
     for patch in (_patch_anyio, _patch_trio):
         restore = patch()
         if restore is not None:
