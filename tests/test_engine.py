@@ -305,6 +305,63 @@ def test_eager_tasks_leave_the_caller_its_labels(recorder: RecorderBackend, loop
     check.assert_exact(4)
 
 
+@pytest.mark.parametrize("factory_kind", ["plain", "eager"])
+def test_a_task_factory_set_after_the_loop_was_attached_is_hooked(
+    recorder: RecorderBackend, loop_kind: str, factory_kind: str
+) -> None:
+    """The app sets its own task factory after the middleware's lifespan startup attached the
+    loop: the next request's attach_loop hooks it, and steps_hooked() tells the truth about the
+    request task the app's factory created unhooked."""
+    if factory_kind == "eager" and sys.version_info < (3, 12):
+        pytest.skip("eager tasks exist from 3.12")
+    check = Checker(recorder)
+    answers: list[bool] = []
+
+    def app_factory(
+        loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
+    ) -> asyncio.Task[Any]:
+        if factory_kind == "eager":
+            kwargs["eager_start"] = True
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    async def child(name: str) -> None:
+        with profile_labels(child=name):
+            for _ in range(5):
+                check()
+                await asyncio.sleep(0)  # the other child's steps run in between
+            check()
+
+    async def handle() -> None:
+        with profile_labels(req="r"):
+            first = asyncio.create_task(child("a"))
+            check()
+            second = asyncio.create_task(child("b"))
+            check()
+            await asyncio.gather(first, second)
+            check()
+
+    async def request() -> None:
+        answers.append(_engine.steps_hooked())
+        attach_loop()  # what the middleware does on every request
+        answers.append(_engine.steps_hooked())
+        if answers[-1]:
+            await handle()
+        else:
+            await _engine.run_steps_hooked(handle())
+
+    async def main() -> None:
+        attach_loop()  # the middleware's lifespan startup
+        asyncio.get_running_loop().set_task_factory(app_factory)  # type: ignore[arg-type]
+        await asyncio.create_task(request())
+
+    run_on(loop_kind, main)
+    check.assert_exact(15)
+    # Only uvloop's steps need the label factory's coroutine proxies, which the request task,
+    # created by the app's factory, lacks.
+    unhooked = loop_kind == "uvloop" and _engine.installed_mechanism() == "hooks"
+    assert answers == [not unhooked] * 2
+
+
 def test_backend_failure_never_reaches_the_caller(
     caplog: pytest.LogCaptureFixture, mechanism: Mechanism
 ) -> None:

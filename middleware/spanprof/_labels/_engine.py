@@ -423,7 +423,8 @@ def steps_hooked() -> bool:
 
     False only for a task on a loop whose handles cannot be patched (uvloop) that was created
     before ``attach_loop`` gave the loop its task factory: the request that hooked the loop,
-    and any already running then (a server without lifespan, such as Django's ASGI handler).
+    and any already running then (a server without lifespan, such as Django's ASGI handler),
+    or by a factory the app set since.
     Its steps run under whatever labels the last hooked step pushed, unless its code runs
     inside ``run_steps_hooked``. Cheap enough to ask once per request.
     """
@@ -437,9 +438,15 @@ def steps_hooked() -> bool:
         return True
     if task is None:
         return True
-    factory = task.get_loop().get_task_factory()
-    if not isinstance(factory, _LabelTaskFactory) or not factory.wrap_coroutines:
-        return True  # the loop's handles are hooked, or the loop needs no hooks
+    loop = task.get_loop()
+    factory = loop.get_task_factory()
+    if isinstance(factory, _LabelTaskFactory):
+        if not factory.wrap_coroutines:
+            return True  # the loop's handles are hooked
+    elif isinstance(loop, asyncio.BaseEventLoop):
+        return True  # the loop's handles are hooked
+    # A loop whose handles cannot be hooked: only the label factory's proxies sync its steps (and
+    # none at all if the app's own factory replaced it since attach_loop).
     return _STEPS_HOOKED.get() or isinstance(task.get_coro(), _PROXY_TYPES)
 
 
@@ -487,6 +494,10 @@ class _LabelTaskFactory:
 
 
 _seen_loop: weakref.ReferenceType[asyncio.AbstractEventLoop] | None = None
+# The task factory _seen_loop had when last looked at (after hooking it). The app may set its own
+# later (eager tasks, a factory on uvloop), after the middleware's lifespan startup attached the
+# loop: a different one means the loop is looked at again. Held strongly (a loop at most).
+_seen_factory: object = None
 
 
 def attach_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -496,9 +507,10 @@ def attach_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
     and other compiled loops get a task factory whose coroutines sync labels on every step.
     With the context watcher no loop needs anything. Either way, the main thread of a backend
     that reads its context itself is left alone from here on. Cheap to call on every request:
-    it remembers the last loop it saw.
+    it remembers the last loop it saw and that loop's task factory, and looks again when the
+    app has set another factory since (eager tasks, its own factory on uvloop).
     """
-    global _seen_loop
+    global _seen_loop, _seen_factory
     if _backend is None or _tls.labels is _QUIET:
         # Quiet: the sampler reads this thread's labels from its context, whatever loop runs.
         return
@@ -508,9 +520,11 @@ def attach_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
         except RuntimeError:
             _attach_trio()
             return
-    if _seen_loop is not None and _seen_loop() is loop:
-        return
+    # Per request: one get_task_factory() call and an identity check, to notice a factory set
+    # since (which would otherwise run every later task unhooked).
     factory = loop.get_task_factory()
+    if _seen_loop is not None and _seen_loop() is loop and factory is _seen_factory:
+        return
     if _samples_context_here():
         # No task factory, and the step hooks leave this thread alone.
         _tls.labels = _QUIET
@@ -520,6 +534,8 @@ def attach_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
             loop.set_task_factory(
                 _LabelTaskFactory(factory, wrap_coroutines=not python_handles)  # type: ignore[arg-type]
             )
+            factory = loop.get_task_factory()
+    _seen_factory = factory
     try:
         _seen_loop = weakref.ref(loop)
     except TypeError:  # a loop type without weak references: just re-check next time
