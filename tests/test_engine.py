@@ -9,6 +9,7 @@ import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
+import anyio.from_thread
 import anyio.to_thread
 import pytest
 
@@ -244,6 +245,46 @@ def test_thread_pool_paths_carry_request_labels(recorder: RecorderBackend, loop_
         assert set(labels) == {"req"}, path
     # Every worker thread dropped the labels when its job ended.
     assert recorder.labelled_threads() == {}
+
+
+@pytest.mark.parametrize("anyio_backend_name", ["asyncio", "trio"])
+def test_a_job_a_thread_pool_job_starts_through_the_loop_is_labelled(
+    mechanism: Mechanism, anyio_backend_name: str
+) -> None:
+    """A to_thread.run_sync awaited by a task that a pool job started (from_thread.run) runs
+    its own job with the labels too, though that task's context is a copy of the job's."""
+    backend = RecorderBackend()
+    check = Checker(backend)
+    seen: list[dict[str, str]] = []
+
+    def nested_job() -> None:
+        check()
+        seen.append(dict(backend.thread_labels()))
+
+    async def from_the_job() -> None:
+        check()
+        await anyio.to_thread.run_sync(nested_job)
+
+    def job() -> None:
+        check()
+        anyio.from_thread.run(from_the_job)
+        check()
+
+    async def main() -> None:
+        # Installed in the run: the trio backend's trio.to_thread is imported by then.
+        spanprof.engine.install_label_engine(backend, mechanism=mechanism)
+        with profile_labels(req="r"):
+            await anyio.to_thread.run_sync(job)
+            check()
+
+    try:
+        anyio.run(main, backend=anyio_backend_name)
+    finally:
+        spanprof.engine.uninstall_label_engine()
+        reset_log_once()
+    check.assert_exact(5)
+    assert seen == [{"req": "r"}]
+    assert backend.labelled_threads() == {}
 
 
 def test_unlabelled_work_runs_without_labels(recorder: RecorderBackend, loop_kind: str) -> None:

@@ -600,16 +600,27 @@ def _detach_loop(loop: asyncio.AbstractEventLoop) -> None:
 # --- thread pools ------------------------------------------------------------------------------
 
 
+# Set while a patched to_thread.run_sync hands a labelled job on (to another patched one).
+_JOB_WRAPPED: ContextVar[bool] = ContextVar("spanprof.job_wrapped", default=False)
+
+
 def run_labelled(labels: LabelSet, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Run ``fn`` on this thread with ``labels``, then restore the thread's own labels."""
     # What the thread ran with before the job, not what the context says after it: anyio and
     # asyncio.to_thread run the job inside a copied context that still holds the labels.
     previous = _tls.labels
     token = LABELS.set(labels)
+    # A job handed on by a patched to_thread.run_sync runs in a copy of its context, where
+    # _JOB_WRAPPED is set: cleared, so a to_thread.run_sync the job starts (through
+    # from_thread.run, whose task copies the job's context) labels its own job. Set only then:
+    # submit's jobs pay just the get.
+    wrapped = _JOB_WRAPPED.set(False) if _JOB_WRAPPED.get() else None
     try:
         apply(labels)
         return fn(*args, **kwargs)
     finally:
+        if wrapped is not None:
+            _JOB_WRAPPED.reset(wrapped)
         LABELS.reset(token)
         apply(previous)
 
@@ -625,10 +636,6 @@ def _submit(
     if labels:
         return _orig_submit(self, run_labelled, labels, fn, *args, **kwargs)
     return _orig_submit(self, fn, *args, **kwargs)
-
-
-# Set while a patched to_thread.run_sync hands a labelled job on (to another patched one).
-_JOB_WRAPPED: ContextVar[bool] = ContextVar("spanprof.job_wrapped", default=False)
 
 
 def _labelling(original: Callable[..., Any]) -> Callable[..., Any]:
