@@ -321,6 +321,31 @@ def test_auto_keeps_pyroscope_io_on_a_threaded_server_and_says_why(tmp_path: Pat
     assert "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.e2e
+@pytest.mark.needs_agent
+@pytest.mark.timeout(60)
+def test_auto_off_the_main_thread_without_a_prepared_handler_says_what_would_make_it_exact(
+    tmp_path: Path,
+) -> None:
+    """Started from a pool thread with no handler prepared in the main thread, auto runs
+    pyroscope-io because the exact sampler cannot run, and says what would let it: not the
+    threaded-server preference, whose SPANPROF_PROFILER=exact could not run either."""
+    require(LINUX, "the exact sampler needs Linux thread CPU clocks")
+    with PushReceiver() as receiver:
+        proc = _serve(tmp_path, receiver.url, BUILT_IN_POOL="1")
+    assert proc.returncode == 0, proc.stderr
+    assert "mode pyroscope" in proc.stdout
+    assert "INFO:spanprof:spanprof: profiling with pyroscope-io and the label engine" in (
+        proc.stderr
+    )
+    assert "the exact sampler cannot run here" in proc.stderr
+    assert "build the WSGI middleware in the main thread" in proc.stderr
+    assert "auto prefers pyroscope-io" not in proc.stderr
+    assert "SPANPROF_PROFILER=exact" not in proc.stderr
+    assert "WARNING" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
 _FULL_WAKEUP_FD_SCRIPT = """
 import os, signal
 from spanprof._profiling._samplers._signal import Sampler

@@ -125,10 +125,10 @@ class ExactBackend(WithPyroscopeSettings):
     hypercorn), or in any thread after ``prepare()`` ran in the main thread (the WSGI
     middleware calls it when built, for threaded servers whose first request runs on a pool
     thread). Otherwise it logs why at start-up and falls back to pyroscope-io with the label
-    engine. Chosen by ``auto`` and started off the main thread, it also runs pyroscope-io when
-    that is installed: the handler sees pool threads only when they hand over the GIL, which
-    misplaces much of their CPU on the frame that yielded (the start-up line says so). It
-    uses ``SIGPROF`` (``SIGALRM`` with ``clock="wall"``) and refuses to start, raising
+    engine. Chosen by ``auto`` and started off the main thread after ``prepare()``, it also runs
+    pyroscope-io when that is installed: the handler sees pool threads only when they hand over
+    the GIL, which misplaces much of their CPU on the frame that yielded (the start-up line says
+    so). It uses ``SIGPROF`` (``SIGALRM`` with ``clock="wall"``) and refuses to start, raising
     ``RuntimeError``, when that signal already has a handler. The timer signals the main thread
     only: no other thread is interrupted or has to block the signal.
 
@@ -362,8 +362,11 @@ class ExactBackend(WithPyroscopeSettings):
             self._idle_sampler, self._idle_pid = sampler, pid
             in_main = in_main_os_thread()
             agent_missing = ""
-            if not in_main and self.auto and self.exporters == ("pyroscope",):
+            if not in_main and self.auto and self.exporters == ("pyroscope",) and sampler.prepared:
                 # A threaded server: auto prefers the agent where it is installed (see _THREADED).
+                # Only where the exact sampler could run instead (prepared in the main thread):
+                # otherwise its start below fails and the fallback says what would make it run,
+                # not advise SPANPROF_PROFILER=exact, which could not run here either.
                 try:
                     agent = PyroscopeBackend(**self._settings.arguments())
                 except RuntimeError:
