@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
 from contextvars import Token
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -53,8 +53,10 @@ class profile_labels:
     """Add profile labels to a block of code, on top of the labels already in effect.
 
     Usable as a context manager (sync or async code) and as a decorator on sync and async
-    functions. Labels follow the context: child tasks and thread-pool work started inside the
-    block inherit them, and they are removed on every way out of the block.
+    functions, and on generator and async generator functions, whose body runs with the labels
+    at each step (not the consumer between two steps). Labels follow the context: child tasks
+    and thread-pool work started inside the block inherit them, and they are removed on every
+    way out of the block.
 
     ```python
     with spanprof.profile_labels(tenant="acme"):
@@ -119,6 +121,10 @@ class profile_labels:
 
     def __call__(self, func: F) -> F:
         labels: Mapping[str, str] = self._labels
+        if inspect.isasyncgenfunction(func):
+            return cast(F, _labelled_async_generator(func, labels))
+        if inspect.isgeneratorfunction(func):
+            return cast(F, _labelled_generator(func, labels))
         if inspect.iscoroutinefunction(func):
 
             @functools.wraps(func)
@@ -144,3 +150,91 @@ class profile_labels:
                 sync()
 
         return cast(F, wrapper)
+
+
+# A generator's body runs in steps, each in the context of whoever resumes it, and its labels
+# must not stay set while the consumer runs between two steps. So the wrappers drive the
+# generator themselves, as ``yield from`` would (send, throw, close, the return value), and set
+# the labels around each step only. They are generator functions themselves, so that frameworks
+# that look (FastAPI's yield dependencies, contextlib) still see one.
+
+
+def _labelled_generator(
+    func: Callable[..., Generator[Any, Any, Any]], labels: Mapping[str, str]
+) -> Callable[..., Generator[Any, Any, Any]]:
+    @functools.wraps(func)
+    def generator_wrapper(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+        generator = func(*args, **kwargs)
+        step: Callable[[Any], Any] = generator.send
+        arg: Any = None
+        while True:
+            token = LABELS.set(LABELS.get().merged(labels))
+            try:
+                sync()
+                try:
+                    value = step(arg)
+                except StopIteration as stop:
+                    return stop.value
+            finally:
+                arg = None  # a thrown exception: no cycle through this frame when it propagates
+                LABELS.reset(token)
+                sync()
+            try:
+                arg = yield value
+            except GeneratorExit:
+                # Closed (or collected) between steps: its finally blocks run labelled too.
+                token = LABELS.set(LABELS.get().merged(labels))
+                try:
+                    sync()
+                    generator.close()
+                finally:
+                    LABELS.reset(token)
+                    sync()
+                raise
+            except BaseException as thrown:
+                step, arg = generator.throw, thrown
+            else:
+                step = generator.send
+
+    return generator_wrapper
+
+
+def _labelled_async_generator(
+    func: Callable[..., AsyncGenerator[Any, Any]], labels: Mapping[str, str]
+) -> Callable[..., AsyncGenerator[Any, Any]]:
+    @functools.wraps(func)
+    async def async_generator_wrapper(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
+        generator = func(*args, **kwargs)
+        step: Callable[[Any], Awaitable[Any]] = generator.asend
+        arg: Any = None
+        while True:
+            # Set in the task's context for the whole step, its awaits included: the engine's
+            # step hooks push them whenever the task resumes inside it.
+            token = LABELS.set(LABELS.get().merged(labels))
+            try:
+                sync()
+                try:
+                    value = await step(arg)
+                except StopAsyncIteration:
+                    return
+            finally:
+                arg = None  # a thrown exception: no cycle through this frame when it propagates
+                LABELS.reset(token)
+                sync()
+            try:
+                arg = yield value
+            except GeneratorExit:
+                token = LABELS.set(LABELS.get().merged(labels))
+                try:
+                    sync()
+                    await generator.aclose()
+                finally:
+                    LABELS.reset(token)
+                    sync()
+                raise
+            except BaseException as thrown:
+                step, arg = generator.athrow, thrown
+            else:
+                step = generator.asend
+
+    return async_generator_wrapper
