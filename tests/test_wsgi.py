@@ -37,6 +37,7 @@ from spanprof import (
     profile_labels,
     uninstall_greenlet_labels,
 )
+from spanprof._profiling._runtime import ProfilerRuntime
 
 from .conftest import histogram_points, require
 from .e2e import django_project
@@ -1005,6 +1006,38 @@ def test_greenlet_hook_chains_and_restores_the_previous_trace_function() -> None
     finally:
         uninstall_greenlet_labels()
         greenlet.settrace(None)
+
+
+def test_a_stopped_runtime_takes_out_the_greenlet_hooks_it_installed() -> None:
+    """A runtime started in a greenlet follows greenlet switches; stopped, it leaves no tracer
+    and no spawn callback behind, but keeps the hooks the app installed itself."""
+    gevent = _gevent()
+    import greenlet
+
+    def inherited_after_stop() -> dict[str, str]:
+        with spanprof.profile_labels(tenant="acme"):
+            return dict(gevent.spawn(lambda: dict(spanprof.current_labels())).get())
+
+    runtime = ProfilerRuntime(RecorderBackend())
+    gevent.spawn(runtime.start).get()  # in a greenlet: greenlets_in_use()
+    try:
+        assert greenlet.gettrace() is not None
+        assert inherited_after_stop() == {"tenant": "acme"}
+    finally:
+        runtime.stop()
+    assert greenlet.gettrace() is None
+    assert inherited_after_stop() == {}
+
+    install_greenlet_labels()  # the app's own: a runtime's stop leaves it
+    try:
+        runtime = ProfilerRuntime(RecorderBackend())
+        gevent.spawn(runtime.start).get()
+        runtime.stop()
+        assert greenlet.gettrace() is not None
+        assert inherited_after_stop() == {"tenant": "acme"}
+    finally:
+        uninstall_greenlet_labels()
+    assert greenlet.gettrace() is None
 
 
 def test_greenlet_spawned_by_a_request_runs_with_its_labels(

@@ -103,18 +103,27 @@ def install_greenlet_labels() -> None:
     application = spanprof.WSGIProfilingMiddleware(get_wsgi_application())
     ```
     """
+    _install()
+
+
+def _install() -> bool:
+    """``install_greenlet_labels``; ``True`` if it put anything in place that was not (the
+    calling thread's tracer, gevent's spawn callback), for whoever must later take it out."""
     import greenlet
 
     global _spawn_hooked
     check_native_thread_state()
+    installed = False
     with _lock:
         current = greenlet.gettrace()
         if isinstance(current, _SwitchTracer):
+            installed = not current.active
             current.active = True
         else:
             tracer = _SwitchTracer(current)
             greenlet.settrace(tracer)
             _tracers.append(tracer)
+            installed = True
         if not _spawn_hooked:
             try:
                 from gevent import Greenlet
@@ -123,6 +132,8 @@ def install_greenlet_labels() -> None:
             else:
                 Greenlet.add_spawn_callback(_inherit_labels)
                 _spawn_hooked = True
+                installed = True
+    return installed
 
 
 def uninstall_greenlet_labels() -> None:

@@ -17,7 +17,8 @@ from .._labels._engine import (
     installed_backend,
     uninstall_label_engine,
 )
-from .._labels._greenlets import greenlets_in_use, install_greenlet_labels
+from .._labels._greenlets import _install as install_greenlet_labels
+from .._labels._greenlets import greenlets_in_use, uninstall_greenlet_labels
 from .._logging import log_once, logger
 from .._process import current_pid
 from ._pyroscope import PyroscopeBackend
@@ -156,6 +157,7 @@ class ProfilerRuntime:
             _started.discard(self)
             if installed_backend() is backend:
                 uninstall_label_engine()
+                _unfollow_greenlets()
         if not _call_with_timeout(backend.shutdown, self.shutdown_timeout):
             log_once(
                 f"backend-shutdown-timeout-{id(backend)}",
@@ -183,17 +185,40 @@ def _cooperatively(lock: threading.Lock) -> Iterator[None]:
         lock.release()
 
 
+# Whether the greenlet hooks in place were put there by a runtime, not by the app's own
+# install_greenlet_labels(): the runtime that uninstalls the engine they feed takes them out
+# (whichever runtime installed them: the engine is one per process, and so are they).
+_greenlet_hooks_installed = False
+
+
 def _follow_greenlets() -> None:
     # Greenlets switch requests on one OS thread without the engine seeing it: follow the
     # switches (and let spawned greenlets inherit labels) with no call needed from the app.
+    global _greenlet_hooks_installed
     try:
-        if greenlets_in_use():
-            install_greenlet_labels()
+        if greenlets_in_use() and install_greenlet_labels():
+            _greenlet_hooks_installed = True
     except Exception:
         log_once(
             "greenlet-labels",
             "spanprof: could not follow greenlet switches; requests served by greenlets may "
             "carry each other's labels (logged once)",
+        )
+
+
+def _unfollow_greenlets() -> None:
+    # A stopped runtime leaves no tracer pushing labels on every switch, and no spawn callback
+    # copying them into every new greenlet's context.
+    global _greenlet_hooks_installed
+    if not _greenlet_hooks_installed:
+        return
+    _greenlet_hooks_installed = False
+    try:
+        uninstall_greenlet_labels()
+    except Exception:
+        log_once(
+            "greenlet-labels-uninstall",
+            "spanprof: could not remove the greenlet switch hooks (logged once)",
         )
 
 
