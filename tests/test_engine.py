@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib
 import inspect
 import sys
 import threading
@@ -758,6 +759,44 @@ def test_label_set_is_immutable_and_hashable() -> None:
     assert a.merged({"x": "3"}) == {"x": "3", "y": "2"}
     assert a == {"x": "1", "y": "2"}
     assert not hasattr(a, "__setitem__")
+
+
+def test_uninstalling_inside_a_trio_run_removes_its_instrument() -> None:
+    """Uninstalled inside a trio run, the engine takes its instrument out of that run; installed
+    again in the same run, it puts it back and follows the steps again."""
+    trio = importlib.import_module("trio")
+    backend = RecorderBackend()
+    check = Checker(backend)
+    left_in_run: list[bool] = []
+
+    async def labelled(name: str) -> None:
+        with profile_labels(task=name):
+            for _ in range(3):
+                await trio.lowlevel.checkpoint()  # the other task's steps run in between
+                check()
+
+    async def both() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(labelled, "a")
+            nursery.start_soon(labelled, "b")
+
+    async def main() -> None:
+        for _ in range(2):
+            spanprof.engine.install_label_engine(backend, mechanism="hooks")
+            try:
+                await both()
+            finally:
+                spanprof.engine.uninstall_label_engine()
+            try:
+                trio.lowlevel.remove_instrument(_engine._TRIO_LABELS)
+            except KeyError:
+                left_in_run.append(False)
+            else:
+                left_in_run.append(True)
+
+    trio.run(main)
+    check.assert_exact(12)
+    assert left_in_run == [False, False]
 
 
 def test_a_half_imported_trio_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -580,6 +580,19 @@ def _attach_trio() -> None:
         lowlevel.add_instrument(_TRIO_LABELS)
 
 
+def _detach_trio() -> None:
+    # Only the current run's instruments can be reached (trio has no other API). Another run
+    # keeps the instrument until it ends: harmless, apply() does nothing while uninstalled, and
+    # a later install adds the same instrument again, which trio ignores.
+    lowlevel = sys.modules.get("trio.lowlevel")
+    remove_instrument = getattr(lowlevel, "remove_instrument", None)
+    if remove_instrument is None:
+        return
+    # RuntimeError: not in a trio run; KeyError: this run never had it (watcher, quiet thread).
+    with contextlib.suppress(KeyError, RuntimeError):
+        remove_instrument(_TRIO_LABELS)
+
+
 def _samples_context_here() -> bool:
     # The exact sampler reads the main thread's labels from the context running at each sample
     # (ReadsMainThreadContext): its loops need no per-step pushes.
@@ -798,7 +811,8 @@ def uninstall_label_engine() -> None:
     """Restore everything ``install_label_engine`` patched and stop feeding the backend.
 
     The calling thread's labels are cleared on the backend first. Loops other than the running
-    one keep a pass-through task factory until they close.
+    one keep a pass-through task factory until they close, and trio runs other than the current
+    one an instrument that does nothing.
     """
     global _backend, _tls, _seen_loop, _seen_trio, _mechanism
     with _lock:
@@ -809,6 +823,7 @@ def uninstall_label_engine() -> None:
             _restore.pop()()
         with contextlib.suppress(RuntimeError):  # not called from a running loop
             _detach_loop(asyncio.get_running_loop())
+        _detach_trio()
         _backend = None
         _mechanism = None
         _tls = _new_thread_state()
