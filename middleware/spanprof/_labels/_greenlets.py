@@ -26,7 +26,12 @@ from .._logging import log_once
 from ._engine import apply, check_native_thread_state
 from ._labelset import LABELS
 
-__all__ = ["greenlets_in_use", "install_greenlet_labels", "uninstall_greenlet_labels"]
+__all__ = [
+    "greenlets_in_use",
+    "install_greenlet_hooks",
+    "install_greenlet_labels",
+    "uninstall_greenlet_labels",
+]
 
 _Trace = Callable[[str, Any], Any]
 
@@ -103,10 +108,10 @@ def install_greenlet_labels() -> None:
     application = spanprof.WSGIProfilingMiddleware(get_wsgi_application())
     ```
     """
-    _install()
+    install_greenlet_hooks()
 
 
-def _install() -> bool:
+def install_greenlet_hooks() -> bool:
     """``install_greenlet_labels``; ``True`` if it put anything in place that was not (the
     calling thread's tracer, gevent's spawn callback), for whoever must later take it out."""
     import greenlet

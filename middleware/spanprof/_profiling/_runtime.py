@@ -17,8 +17,11 @@ from .._labels._engine import (
     installed_backend,
     uninstall_label_engine,
 )
-from .._labels._greenlets import _install as install_greenlet_labels
-from .._labels._greenlets import greenlets_in_use, uninstall_greenlet_labels
+from .._labels._greenlets import (
+    greenlets_in_use,
+    install_greenlet_hooks,
+    uninstall_greenlet_labels,
+)
 from .._logging import log_once, logger
 from .._process import current_pid
 from ._pyroscope import PyroscopeBackend
@@ -196,7 +199,7 @@ def _follow_greenlets() -> None:
     # switches (and let spawned greenlets inherit labels) with no call needed from the app.
     global _greenlet_hooks_installed
     try:
-        if greenlets_in_use() and install_greenlet_labels():
+        if greenlets_in_use() and install_greenlet_hooks():
             _greenlet_hooks_installed = True
     except Exception:
         log_once(
