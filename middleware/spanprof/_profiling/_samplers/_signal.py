@@ -818,7 +818,7 @@ class Sampler:
         entry = _job_entry(sys._getframe(1), local.entries) if current else None
         labels = self._labels
         recorded = labels.get(ident, EMPTY)
-        if previous is not recorded and previous._map == recorded._map:
+        if previous is not recorded and previous == recorded:
             # The engine pushes nothing on a switch to an equal set, yet keeps that object as
             # the thread's labels and names it as `previous` here next: the handler matches the
             # object it recorded by identity, and would drop the thread's CPU since its last
