@@ -45,7 +45,14 @@ from ..._logging import log_once
 from ..._version import __version__
 from .._window import Frame, Window, utf8_text
 from ._memory import MEMORY_PERIOD_TYPE, MEMORY_SAMPLE_TYPES
-from ._pprof import DEFAULT_MAX_DEPTH, Profile, Sample, cut_stack, frame_budget
+from ._pprof import (
+    DEFAULT_MAX_DEPTH,
+    FrameBudget,
+    Profile,
+    Sample,
+    cut_stack,
+    frame_budget,
+)
 from ._protowire import (
     WIRE_LEN,
     FieldValue,
@@ -681,15 +688,10 @@ def _decode_export_request(data: bytes, max_depth: int, max_frames: int) -> list
         functions.append(
             (_at(strings, _int(f, _F_NAME), "string"), _at(strings, _int(f, _F_FILENAME), "string"))
         )
-    # Location lines and stack frames alike: each is an object or a pointer kept. Samples
-    # share the dictionary's stacks, so they cost nothing more.
-    frames_left = max_frames
-
-    def spend(count: int) -> None:
-        nonlocal frames_left
-        frames_left -= count
-        if frames_left < 0:
-            raise OtlpTooLargeError(f"profiles decode to more than {max_frames} frames")
+    # Samples share the dictionary's stacks, so they cost nothing more.
+    spend = FrameBudget(
+        max_frames, OtlpTooLargeError(f"profiles decode to more than {max_frames} frames")
+    ).spend
 
     locations: list[tuple[Frame, ...]] = []
     for raw in d.get(_D_LOCATION, ()):

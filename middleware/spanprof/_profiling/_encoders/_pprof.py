@@ -44,6 +44,7 @@ except ImportError:  # built without a compiler, or the module cannot load here
 
 __all__ = [
     "DEFAULT_MAX_DEPTH",
+    "FrameBudget",
     "InflatedTooLargeError",
     "Profile",
     "ProfileBuilder",
@@ -133,6 +134,23 @@ class InflatedTooLargeError(ProfileTooLargeError):
 def frame_budget(inflated_bytes: int) -> int:
     """How many frames an upload of ``inflated_bytes`` (profiles, uncompressed) may decode to."""
     return _FRAMES_PER_BYTE * inflated_bytes + _MIN_FRAMES
+
+
+class FrameBudget:
+    """The frames a decoder may still make: location lines and stack frames alike, each an
+    object or a pointer kept. ``spend`` raises ``error`` once more than ``limit`` are made."""
+
+    __slots__ = ("_error", "_left")
+
+    def __init__(self, limit: int, error: Exception) -> None:
+        self._left = limit
+        self._error = error
+
+    def spend(self, count: int) -> None:
+        """Take ``count`` frames from what is left."""
+        self._left -= count
+        if self._left < 0:
+            raise self._error
 
 
 def cut_stack(parts: Sequence[Sequence[Frame]], max_depth: int) -> tuple[Frame, ...]:
@@ -371,14 +389,9 @@ def _decode_profile(data: bytes, max_depth: int, max_frames: int) -> Profile:
                 file_idx = as_int(v)
         mapping_files[mid] = s(file_idx)
 
-    # Location lines and stack frames alike: each is an object or a pointer kept.
-    frames_left = max_frames
-
-    def spend(count: int) -> None:
-        nonlocal frames_left
-        frames_left -= count
-        if frames_left < 0:
-            raise ProfileTooLargeError(f"profile decodes to more than {max_frames} frames")
+    spend = FrameBudget(
+        max_frames, ProfileTooLargeError(f"profile decodes to more than {max_frames} frames")
+    ).spend
 
     locations: dict[int, tuple[Frame, ...]] = {}
     for raw in raw_locations:
