@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from spanprof._local._receiver import PushReceiver
 
 from .conftest import require
 from .e2e.analysis import attribute
-from .e2e.server import free_port, hypercorn_argv, serve, uvicorn_argv
+from .e2e.server import free_port, gunicorn_uvicorn_argv, hypercorn_argv, serve, uvicorn_argv
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engine]
 
@@ -36,6 +37,13 @@ SERVERS = {
     "uvicorn-uvloop": lambda port: uvicorn_argv("tests.e2e.exact_app:app", port, "uvloop"),
     "hypercorn-asyncio": lambda port: hypercorn_argv("tests.e2e.exact_app:app", port, "asyncio"),
     "hypercorn-trio": lambda port: hypercorn_argv("tests.e2e.exact_app:app", port, "trio"),
+    # gunicorn managing a uvicorn worker: the worker's loop runs in its main thread, so the
+    # default is exact there too. With --preload the app, its middleware and spanprof are
+    # imported in the master, and the profiler must start in the forked worker.
+    "gunicorn-uvicorn": lambda port: gunicorn_uvicorn_argv("tests.e2e.exact_app:app", port),
+    "gunicorn-uvicorn-preload": lambda port: gunicorn_uvicorn_argv(
+        "tests.e2e.exact_app:app", port, "--preload"
+    ),
 }
 
 
@@ -47,6 +55,8 @@ SERVERS = {
         ("uvicorn-uvloop", None),
         ("hypercorn-asyncio", None),
         ("hypercorn-trio", None),
+        ("gunicorn-uvicorn", None),
+        ("gunicorn-uvicorn-preload", None),
         ("uvicorn-asyncio", "exact"),
         ("uvicorn-uvloop", "exact"),
     ],
@@ -58,6 +68,8 @@ def test_exact_profiler_attributes_every_sample_to_its_request(
     require(sys.platform.startswith("linux"), "the exact profiler needs Linux thread CPU clocks")
     if server.startswith("hypercorn"):
         require(importlib.util.find_spec("hypercorn") is not None, "hypercorn is not installed")
+    if server.startswith("gunicorn"):
+        require(importlib.util.find_spec("gunicorn") is not None, "gunicorn is not installed")
     if server.endswith("trio"):
         require(importlib.util.find_spec("trio") is not None, "trio is not installed")
     port = free_port()
@@ -75,6 +87,8 @@ def test_exact_profiler_attributes_every_sample_to_its_request(
             health_url=f"http://127.0.0.1:{port}/health",
             env=env,
             log_path=tmp_path / "server.log",
+            # gunicorn's master stops its workers gracefully on SIGTERM (SIGINT is immediate).
+            stop_signal=signal.SIGTERM if server.startswith("gunicorn") else signal.SIGINT,
         ):
             results, stats = asyncio.run(_fire(f"http://127.0.0.1:{port}", CONCURRENCY))
         # The last window was flushed at lifespan shutdown, before the server exited.

@@ -48,6 +48,8 @@ TEST_DEPS = [
     "pytest-asyncio>=0.24",
     "pytest-timeout>=2.3",
     "anyio>=4.4",
+    # test_e2e_exact serves its app through gunicorn's uvicorn worker too.
+    "gunicorn>=21.2",
     "httpx>=0.27",
     "hypercorn>=0.17",
     "hypothesis>=6.100",

@@ -117,6 +117,17 @@ def uvicorn_argv(app: str, port: int, loop: str, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def gunicorn_uvicorn_argv(app: str, port: int, *extra: str) -> list[str]:
+    """A gunicorn command line serving ASGI ``app`` on 127.0.0.1 with one uvicorn worker
+    (``uvicorn.workers.UvicornWorker``: the worker runs the event loop in its main thread)."""
+    return [
+        sys.executable, "-m", "gunicorn", app, "--bind", f"127.0.0.1:{port}", "--workers", "1",
+        "--worker-class", "uvicorn.workers.UvicornWorker", "--config",
+        "tests/e2e/gunicorn_conf.py", "--graceful-timeout", "10", "--log-level", "warning",
+        *extra,
+    ]  # fmt: skip
+
+
 def hypercorn_argv(app: str, port: int, worker_class: str, *extra: str) -> list[str]:
     """A hypercorn command line serving ``app`` on 127.0.0.1 (asyncio, uvloop or trio)."""
     return [
