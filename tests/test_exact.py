@@ -1157,6 +1157,9 @@ def test_samples_booked_after_their_span_ended_are_not_kept_for_it() -> None:
             left = dict(sampler._span_ns)
             late = backend.stats()["span_cpu_late_ms"]
         finally:
-            backend.shutdown()
+            # The middleware's runtime installed the label engine with the backend: stopping
+            # it uninstalls both (the backend alone would stay installed for the next test).
+            app._runtime.stop()
+    assert spanprof.engine.installed_backend() is None
     assert left == {}  # no request is in flight
     assert late > 0  # and some CPU did come after its span's end
