@@ -229,7 +229,8 @@ def _profile_samples(
         )
 
 
-def _profiles(request: ExportProfilesServiceRequest) -> Iterator[Profile]:
+def profiles_of(request: ExportProfilesServiceRequest) -> Iterator[Profile]:
+    """Every profile of ``request``, in order."""
     for rp in request.resource_profiles:
         for sp in rp.scope_profiles:
             yield from sp.profiles
@@ -241,7 +242,7 @@ def flatten(
     """Each sample as a ``ReceivedSample``: its link as ``span_id``/``trace_id`` hex labels
     (as Pyroscope's OTLP ingest makes them), its string attributes as the other labels, its
     profile's type as the series label ``profile_type``."""
-    for profile in _profiles(request):
+    for profile in profiles_of(request):
         yield from _profile_samples(request, profile, received_at)
 
 
@@ -252,7 +253,7 @@ def memory_samples(
     ``values`` are (alloc_objects, alloc_space, inuse_objects, inuse_space), 0 where a profile
     has no sample; ``value`` is the first."""
     rows: dict[tuple[tuple[Frame, ...], tuple[tuple[str, str], ...]], list[int]] = {}
-    for profile in _profiles(request):
+    for profile in profiles_of(request):
         kind = profile_type(request, profile)
         if kind not in MEMORY_PROFILE_TYPES:
             continue

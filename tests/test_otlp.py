@@ -47,6 +47,8 @@ from .otlp_profiles import (
     Response,
     flatten,
     model_violations,
+    profile_type,
+    profiles_of,
     resource_attributes,
 )
 
@@ -942,6 +944,70 @@ def test_backend_with_both_exporters_sends_every_sample_to_both(tmp_path: Path) 
     assert {s.label_values("trace_id") for s in otlp_samples if s.label_values("span_id")} == {
         ("4bf92f3577b34da6a3ce929d0e0e4736",)
     }
+
+
+def test_wall_clock_profiles_are_wall_time_in_both_exporters() -> None:
+    """clock="wall": the push is Pyroscope's wall profile (``__name__=wall``, sample and period
+    type wall/nanoseconds) and the OTLP profile wall/nanoseconds too; neither is CPU (a labelled
+    sleep has wall time and almost no CPU)."""
+    import sys
+    import textwrap
+
+    from spanprof._local._receiver import PushReceiver
+
+    from .conftest import require
+    from .e2e.server import ROOT
+
+    require(sys.platform.startswith("linux"), "the exact sampler needs Linux")
+    with PushReceiver() as pyroscope, OtlpProfilesReceiver() as otlp:
+        script = textwrap.dedent(
+            f"""
+            import time
+            import spanprof
+            from spanprof._labels._labelset import LabelSet
+            from spanprof._labels._scope import labels_scope
+            from spanprof._profiling._exact import ExactBackend
+            backend = ExactBackend(server_address={pyroscope.url!r}, application_name="wall",
+                                   upload_interval=3600, sample_rate=200, clock="wall",
+                                   memory=False, exporters="pyroscope,otlp")
+            spanprof.engine.install_label_engine(backend)
+            backend.start()
+            with labels_scope(LabelSet({{"span_id": "00f067aa0ba902b7",
+                                        "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736"}})):
+                end = time.monotonic() + 0.4
+                while time.monotonic() < end:
+                    time.sleep(0.01)
+            backend.shutdown()
+            """
+        )
+        env = {
+            "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}",
+            "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT": otlp.url,
+            "OTEL_SERVICE_NAME": "wall",
+        }
+        result = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+        series = pyroscope.series()
+        pushed = pyroscope.samples("wall")
+        assert pyroscope.samples("process_cpu") == []
+        requests = otlp.requests()
+        exported = otlp.samples("wall:nanoseconds:wall:nanoseconds")
+        assert pyroscope.errors == []
+        assert otlp.errors == []
+    assert {s.label("__name__") for s in series} == {"wall"}
+    profiles = [profile for s in series for profile in s.profiles]
+    assert {(p.sample_types, p.period_type, p.period) for p in profiles} == {
+        ((("wall", "nanoseconds"),), ("wall", "nanoseconds"), 5_000_000)
+    }
+    kinds = {profile_type(r, p) for r in requests for p in profiles_of(r)}
+    assert kinds == {"wall:nanoseconds:wall:nanoseconds"}
+    assert [p.period for r in requests for p in profiles_of(r)] == [5_000_000]
+    # The sleep's 0.4 s of wall time, on the labelled span, in both.
+    pushed_total = sum(s.value for s in pushed if s.label_values("span_id"))
+    assert 0.3e9 < pushed_total < 0.6e9
+    assert sum(s.value for s in exported if s.label_values("span_id")) == pushed_total
 
 
 # --- local mode's receiver -----------------------------------------------------------------------

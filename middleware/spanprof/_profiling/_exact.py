@@ -25,7 +25,7 @@ from ._encoders._memory import MemoryEncoder, memory_series_labels
 from ._encoders._otlp import OtlpEncoder
 from ._encoders._otlp_memory import OtlpMemoryEncoder
 from ._encoders._pprof import SharedLocations
-from ._encoders._window import series_labels
+from ._encoders._window import CPU_TIME, PROFILE_NAMES, WALL_TIME, series_labels
 from ._exporters._fanout import WindowExporter, WindowFanout, stop_all
 from ._exporters._otlp import OtlpEncoderFactory, OtlpExporter, OtlpSettings
 from ._exporters._pusher import Pusher, StepEncoder
@@ -517,15 +517,26 @@ class ExactBackend(WithPyroscopeSettings):
 
     def _new_exporters(self, sampler: Sampler) -> list[WindowExporter]:
         exporters: list[WindowExporter] = []
+        period_ns = 1_000_000_000 // self.sample_rate
+        # A wall-clock sampler's values are wall time: a profile of its own kind, never CPU.
+        value_type = WALL_TIME if self.clock == "wall" else CPU_TIME
         if "pyroscope" in self.exporters:
             exporters.append(
                 self._pusher(
-                    series_labels(self.application_name, self.tags),
-                    period_ns=1_000_000_000 // self.sample_rate,
+                    series_labels(self.application_name, self.tags, name=PROFILE_NAMES[value_type]),
+                    period_ns=period_ns,
+                    value_type=value_type,
                 )
             )
         if self._otlp is not None:
-            exporters.append(self._otlp_exporter(self._otlp))
+            exporters.append(
+                self._otlp_exporter(
+                    self._otlp,
+                    functools.partial(OtlpEncoder, wall_period_ns=period_ns)
+                    if value_type == WALL_TIME
+                    else OtlpEncoder,
+                )
+            )
         return exporters
 
     def _pusher(
@@ -533,12 +544,14 @@ class ExactBackend(WithPyroscopeSettings):
         labels: list[tuple[str, str]],
         *,
         period_ns: int,
+        value_type: tuple[str, str] = CPU_TIME,
         encoder: Callable[[Window], StepEncoder] | None = None,
     ) -> Pusher:
         return Pusher(
             server_address=self.server_address,
             labels=labels,
             period_ns=period_ns,
+            value_type=value_type,
             upload_interval=self.upload_interval,
             tenant_id=self.tenant_id,
             basic_auth_username=self.basic_auth_username,

@@ -72,7 +72,7 @@ from ._protowire import (
     unpack_varints,
 )
 from ._push import PushSeries
-from ._window import STEP_BUDGET_NS
+from ._window import STEP_BUDGET_NS, WALL_TIME
 
 __all__ = [
     "PERIOD",
@@ -533,7 +533,10 @@ class OtlpRequestEncoder(Generic[_I]):
 class OtlpEncoder(OtlpRequestEncoder[tuple[tuple[int, LabelSet], int]]):
     """Encodes a CPU ``Window`` as an ``ExportProfilesServiceRequest``, one slice per ``step()``.
 
-    One profile, ``samples/count`` with period type ``cpu/nanoseconds`` and period 1.
+    One profile, ``samples/count`` with period type ``cpu/nanoseconds`` and period 1; a
+    wall-clock window's (``wall_period_ns`` set) is ``wall/nanoseconds`` with period type
+    ``wall/nanoseconds`` and that period: its values are wall time, and Pyroscope stores no
+    CPU for it.
 
     Arguments:
         window: the samples to encode (no longer written by the sampler).
@@ -542,6 +545,7 @@ class OtlpEncoder(OtlpRequestEncoder[tuple[tuple[int, LabelSet], int]]):
         attributes: attributes of the whole profile (the backend's static tags).
         budget_ns: the time after which a slice stops.
         profile_id: 16 bytes; random by default.
+        wall_period_ns: the sampling period of a wall-clock sampler's window; 0 for CPU.
     """
 
     def __init__(
@@ -553,7 +557,10 @@ class OtlpEncoder(OtlpRequestEncoder[tuple[tuple[int, LabelSet], int]]):
         attributes: Iterable[tuple[str, str]] = (),
         budget_ns: int = STEP_BUDGET_NS,
         profile_id: bytes | None = None,
+        wall_period_ns: int = 0,
     ) -> None:
+        if wall_period_ns < 0:
+            raise ValueError(f"wall_period_ns: expected 0 or more, got {wall_period_ns}")
         super().__init__(
             window,
             list(window.values.items()),
@@ -563,6 +570,7 @@ class OtlpEncoder(OtlpRequestEncoder[tuple[tuple[int, LabelSet], int]]):
             budget_ns=budget_ns,
         )
         self.profile_id = profile_id if profile_id is not None else os.urandom(16)
+        self.wall_period_ns = wall_period_ns
         self._samples = bytearray()
 
     def _add(self, item: tuple[tuple[int, LabelSet], int]) -> None:
@@ -574,12 +582,13 @@ class OtlpEncoder(OtlpRequestEncoder[tuple[tuple[int, LabelSet], int]]):
         self.samples += 1
 
     def _profiles(self) -> list[list[bytes | bytearray]]:
+        wall = self.wall_period_ns
         return [
             self._profile(
-                SAMPLE_TYPE,
+                WALL_TIME if wall else SAMPLE_TYPE,
                 self._samples,
-                period_type=PERIOD_TYPE,
-                period=PERIOD,
+                period_type=WALL_TIME if wall else PERIOD_TYPE,
+                period=wall if wall else PERIOD,
                 profile_id=self.profile_id,
             )
         ]

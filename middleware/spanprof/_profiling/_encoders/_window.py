@@ -19,8 +19,11 @@ from .._window import Frame, Window
 from ._pprof import ProfileBuilder, SharedLocations, next_slice
 
 __all__ = [
+    "CPU_TIME",
     "MAX_PROFILE_SAMPLES",
+    "PROFILE_NAMES",
     "STEP_BUDGET_NS",
+    "WALL_TIME",
     "EncoderEntry",
     "SlicedEncoder",
     "WindowEncoder",
@@ -33,10 +36,24 @@ STEP_BUDGET_NS = 500_000
 #: more than 16,000 by default).
 MAX_PROFILE_SAMPLES = 4096
 
+#: What a CPU-clock sample's value counts: the CPU its thread used, in nanoseconds.
+CPU_TIME = ("cpu", "nanoseconds")
+#: What a wall-clock sample's value counts: wall time, waiting included.
+WALL_TIME = ("wall", "nanoseconds")
+#: The profile (the series' ``__name__``) each kind of time is stored as in Pyroscope:
+#: ``process_cpu:cpu:nanoseconds:cpu:nanoseconds`` as pyroscope-io sends, and
+#: ``wall:wall:nanoseconds:wall:nanoseconds`` as Pyroscope's Java and Node.js agents send.
+PROFILE_NAMES = {CPU_TIME: "process_cpu", WALL_TIME: "wall"}
 
-def series_labels(application_name: str, tags: Mapping[str, str]) -> list[tuple[str, str]]:
-    """The series labels pyroscope-io sends, with spanprof as the instrumentation scope."""
-    fixed = [("__name__", "process_cpu"), ("service_name", application_name)]
+
+def series_labels(
+    application_name: str, tags: Mapping[str, str], *, name: str = "process_cpu"
+) -> list[tuple[str, str]]:
+    """The series labels pyroscope-io sends, with spanprof as the instrumentation scope.
+
+    ``name`` is the profile's (``__name__``): see ``PROFILE_NAMES``.
+    """
+    fixed = [("__name__", name), ("service_name", application_name)]
     labels = sorted([*fixed, *tags.items()])
     labels += [
         ("otel.scope.name", "spanprof"),
@@ -123,11 +140,13 @@ class SlicedEncoder:
 
 
 class WindowEncoder(SlicedEncoder):
-    """Turns a ``Window`` into raw pprof CPU profiles, one bounded slice of work per ``step()``.
+    """Turns a ``Window`` into raw pprof time profiles, one bounded slice of work per ``step()``.
 
     Arguments:
         window: the samples to encode (no longer written by the sampler).
         period_ns: the sampling period written into each profile.
+        value_type: what the samples' values count, as the sample type and the period type:
+            ``CPU_TIME`` (the default) or ``WALL_TIME``.
         budget_ns: the time after which a slice of ``ProfileBuilder.add`` calls stops.
         max_samples: distinct samples per profile.
         locations: location ids shared with the exporter's other windows (see
@@ -139,11 +158,13 @@ class WindowEncoder(SlicedEncoder):
         window: Window,
         *,
         period_ns: int,
+        value_type: tuple[str, str] = CPU_TIME,
         budget_ns: int = STEP_BUDGET_NS,
         max_samples: int = MAX_PROFILE_SAMPLES,
         locations: SharedLocations | None = None,
     ) -> None:
         self.period_ns = period_ns
+        self.value_type = value_type
         super().__init__(window, budget_ns=budget_ns, max_samples=max_samples, locations=locations)
 
     def _entries(self) -> Iterator[EncoderEntry]:
@@ -153,8 +174,8 @@ class WindowEncoder(SlicedEncoder):
 
     def _new_builder(self) -> ProfileBuilder:
         return ProfileBuilder(
-            (("cpu", "nanoseconds"),),
-            ("cpu", "nanoseconds"),
+            (self.value_type,),
+            self.value_type,
             self.period_ns,
             locations=self._locations,
         )

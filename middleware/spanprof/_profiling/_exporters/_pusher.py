@@ -31,7 +31,7 @@ from ..._logging import log_once
 from ..._version import __version__
 from .._encoders._pprof import SharedLocations
 from .._encoders._push import PUSH_CONTENT_TYPE, PUSH_PATH, encode_push_request
-from .._encoders._window import WindowEncoder
+from .._encoders._window import CPU_TIME, WindowEncoder
 from .._window import Window
 from ._http import Poster, gzipped
 from ._interval import IntervalExporter, Outcome, Wording
@@ -60,6 +60,8 @@ class Pusher(IntervalExporter):
         server_address: the Pyroscope URL (the push path is appended to it).
         labels: the series labels (see ``series_labels``).
         period_ns: the sampling period written into the profiles.
+        value_type: what CPU profiles' values count (``CPU_TIME``, or ``WALL_TIME`` for a
+            wall-clock sampler's); its profile name goes in ``labels``.
         upload_interval: seconds between uploads.
         tenant_id: sent as ``X-Scope-OrgID`` when set.
         basic_auth_username, basic_auth_password: basic auth, when either is set (else the
@@ -93,6 +95,7 @@ class Pusher(IntervalExporter):
         server_address: str,
         labels: Iterable[tuple[str, str]],
         period_ns: int,
+        value_type: tuple[str, str] = CPU_TIME,
         upload_interval: float = 10.0,
         tenant_id: str = "",
         basic_auth_username: str = "",
@@ -116,6 +119,7 @@ class Pusher(IntervalExporter):
         self.url = redact_url(address) + PUSH_PATH
         self.labels = list(labels)
         self.period_ns = period_ns
+        self.value_type = value_type
         self.timeout = timeout
         self._encoder = encoder
         # A stack's location ids stay encoded from one window to the next.
@@ -165,7 +169,12 @@ class Pusher(IntervalExporter):
 
     def _encode(self, window: Window) -> bytes:
         encoder: StepEncoder = (
-            WindowEncoder(window, period_ns=self.period_ns, locations=self._locations)
+            WindowEncoder(
+                window,
+                period_ns=self.period_ns,
+                value_type=self.value_type,
+                locations=self._locations,
+            )
             if self._encoder is None
             else self._encoder(window)
         )
