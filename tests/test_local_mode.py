@@ -1090,6 +1090,29 @@ def test_local_mode_sets_and_restores_the_environment() -> None:
         urllib.request.urlopen(f"{page}api/status", timeout=1)
 
 
+def test_local_mode_samples_cpu_when_the_environment_asks_for_the_wall_clock(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The page shows CPU profiles: SPANPROF_PROFILE_CLOCK=wall, whose profiles are wall
+    profiles it would not show, is set to cpu while local mode runs (said once), then put back."""
+    env = {"SPANPROF_PROFILE_CLOCK": "wall"}
+    with (
+        caplog.at_level(logging.WARNING, logger="spanprof"),
+        LocalMode(ui_port=0, environ=env, policy=policy_from({})),
+    ):
+        assert env["SPANPROF_PROFILE_CLOCK"] == "cpu"
+    assert env["SPANPROF_PROFILE_CLOCK"] == "wall"
+    assert [
+        r.getMessage() for r in caplog.records if "SPANPROF_PROFILE_CLOCK" in r.getMessage()
+    ] == [
+        "spanprof dev: the page shows CPU profiles; SPANPROF_PROFILE_CLOCK=wall is set to cpu "
+        "while it runs"
+    ]
+    env = {"SPANPROF_PROFILE_CLOCK": "cpu"}
+    with LocalMode(ui_port=0, environ=env, policy=policy_from({})):
+        assert env["SPANPROF_PROFILE_CLOCK"] == "cpu"
+
+
 def _with_bad_samples(profile: bytes, *values: list[int]) -> bytes:
     """``profile`` plus a sample of its first location per item of ``values``, carrying
     those values whatever the profile's sample types are."""

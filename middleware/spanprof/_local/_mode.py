@@ -29,6 +29,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
 from .._env import env_value
+from .._logging import logger
 from .._profiling._runtime import stop_started
 from ._compare import SloComparison
 from ._memory import MemoryStore
@@ -201,6 +202,16 @@ class LocalMode:
             # The exact sampler attributes pool threads exactly too (docs/benchmarks.md,
             # gthread), and the app's middleware prepares it in the main thread at import.
             env["SPANPROF_PROFILER"] = "exact"
+        clock = env_value(self.environ, "SPANPROF_PROFILE_CLOCK")
+        if clock and clock.strip().lower() != "cpu":
+            # The page shows CPU profiles (and memory): a wall-clock sampler's profiles are
+            # wall profiles, which it would not show at all.
+            logger.warning(
+                "spanprof dev: the page shows CPU profiles; SPANPROF_PROFILE_CLOCK=%s is set to "
+                "cpu while it runs",
+                clock,
+            )
+            env["SPANPROF_PROFILE_CLOCK"] = "cpu"
         for key, value in env.items():
             self._saved_env.setdefault(key, self.environ.get(key))
             self.environ[key] = value
