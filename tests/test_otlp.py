@@ -1001,6 +1001,7 @@ def test_wall_clock_profiles_are_wall_time_in_both_exporters() -> None:
     assert {(p.sample_types, p.period_type, p.period) for p in profiles} == {
         ((("wall", "nanoseconds"),), ("wall", "nanoseconds"), 5_000_000)
     }
+    assert [model_violations(r) for r in requests] == [[]]
     kinds = {profile_type(r, p) for r in requests for p in profiles_of(r)}
     assert kinds == {"wall:nanoseconds:wall:nanoseconds"}
     assert [p.period for r in requests for p in profiles_of(r)] == [5_000_000]
