@@ -129,3 +129,42 @@ def test_exact_profiler_attributes_every_sample_to_its_request(
     # encode an order of magnitude over it (an unsliced window) fails the test. A collection
     # that lands in a step is not the step's (21.5 ms seen on 3.11 before it was left out).
     assert stats["max_export_step_us"] < 20_000, stats
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_requests_that_start_processes_get_their_results(method: str, tmp_path: Path) -> None:
+    """A request starts a process pool and a process under the default profiler (its signal
+    handler, timer, allocation hooks and threads in the parent): every child returns its
+    result and exits 0, whatever the start method, and the server still profiles exactly."""
+    require(sys.platform.startswith("linux"), "the exact profiler needs Linux thread CPU clocks")
+    port = free_port()
+    with PushReceiver() as receiver:
+        env = {
+            "PYROSCOPE_SERVER_ADDRESS": receiver.url,
+            "PYROSCOPE_APPLICATION_NAME": "e2e-processes",
+            "PYROSCOPE_UPLOAD_INTERVAL": "1",
+        }
+        with serve(
+            uvicorn_argv("tests.e2e.process_app:app", port, "asyncio"),
+            health_url=f"http://127.0.0.1:{port}/health",
+            env=env,
+            log_path=tmp_path / "server.log",
+        ):
+            response = httpx.get(f"http://127.0.0.1:{port}/pool/{method}", timeout=120)
+        samples = receiver.samples()
+        pushes = receiver.received_pushes()
+        assert receiver.errors == []
+    log = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in log, log
+    # The exact sampler's uploader (pyroscope-io's says "pyroscope-rs"), and only the server's.
+    assert {push.user_agent.split("/")[0] for push in pushes} == {"spanprof"}
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["exitcode"] == 0, body
+    assert body["kept"] == [100] * 4, body
+    assert body["server"] not in body["children"], body
+    # The request's own 0.1 s of CPU in the server is its span's (~10 ticks at 100 Hz).
+    labelled = sum(
+        s.value for s in samples if s.label_values("span_name") == ("GET /pool/{method}",)
+    )
+    assert labelled >= 50_000_000, [(s.labels, s.value) for s in samples]
