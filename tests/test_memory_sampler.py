@@ -25,6 +25,7 @@ from spanprof._labels._labelset import EMPTY, LABELS, LabelSet
 from spanprof._profiling._samplers._memory import (
     MemorySampler,
     MemorySamplerUnavailable,
+    ignore_profiler_thread,
     memory_unavailable_reason,
 )
 from spanprof._profiling._window import MemoryWindow
@@ -140,6 +141,22 @@ def warm_up() -> None:
 def bound(expected_samples: float, sigmas: float = 4.0) -> float:
     """Relative error an estimate from ``expected_samples`` samples stays within."""
     return sigmas / math.sqrt(expected_samples)
+
+
+def test_a_profiler_thread_is_ignored_before_its_own_check_allocates() -> None:
+    """ignore_profiler_thread() samples none of its own allocations, even with every block
+    sampled (its check of the OS thread allocates two ints); the main thread stays sampled."""
+    with sampling(sample_bytes=1, max_samples=100_000) as sampler:
+        worker = threading.Thread(target=ignore_profiler_thread)
+        worker.start()
+        worker.join()
+        ignore_profiler_thread()  # the main OS thread: left sampled
+        churn(100)
+        window = sampler.take_window()
+    functions = {f.function for key in window.values for f in window.stack(key[0])}
+    assert "ignore_profiler_thread" not in functions
+    assert "in_main_os_thread" not in functions
+    assert "churn" in functions
 
 
 @pytest.mark.parametrize("mean", [16 * 1024, 512 * 1024])

@@ -510,8 +510,13 @@ def ignore_profiler_thread() -> None:
     Under gevent such a "thread" is a greenlet of the main OS thread, which runs the
     application (and the CPU sampler's signal handler): that thread is left alone.
     """
-    if not in_main_os_thread():
-        _ignore_thread(True)
+    if _alloc is None:
+        return
+    # Ignored first, by the C call itself: the check below allocates (two ints), and so does a
+    # Python call on 3.10 (its frame); a sample of either would be the profiler's own.
+    previous = _alloc.ignore_thread(True)
+    if in_main_os_thread():
+        _alloc.ignore_thread(previous)
 
 
 def _ignore_thread(ignore: bool) -> bool:
