@@ -7,6 +7,8 @@ import itertools
 import re
 import socket
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +41,7 @@ from spanprof._profiling._exporters._otlp import (
 from spanprof._profiling._window import StackTables, Window
 from spanprof._version import __version__
 
-from .e2e.server import free_port
+from .e2e.server import ROOT, free_port
 from .exporting import GZIP_FASTEST, log_messages, timed_steps
 from .otlp_profiles import (
     GrpcProfilesReceiver,
@@ -894,47 +896,63 @@ def test_stop_all_flushes_exporters_side_by_side() -> None:
     assert sorted(stopped) == ["a", "b"]
 
 
+# One span's labels, set around the child's work in _run_backend_child.
+_CHILD_SPAN = {"span_id": "00f067aa0ba902b7", "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736"}
+
+
+def _run_backend_child(
+    pyroscope_url: str, otlp_url: str, service: str, options: str, work: str
+) -> None:
+    """Run an ``ExactBackend(server_address=pyroscope_url, application_name=service,
+    exporters="pyroscope,otlp", <options>)`` in a child process (its signal handler and OTLP
+    variables its own, ``OTEL_SERVICE_NAME=service``) around ``work`` (statements, one per
+    line) under ``_CHILD_SPAN``'s labels; it flushes both at its shutdown. The child must exit
+    0."""
+    body = textwrap.indent(textwrap.dedent(work).strip(), "    ")
+    script = (
+        "import time\n"
+        "import spanprof\n"
+        "from spanprof._labels._labelset import LabelSet\n"
+        "from spanprof._labels._scope import labels_scope\n"
+        "from spanprof._profiling._exact import ExactBackend\n"
+        f"backend = ExactBackend(server_address={pyroscope_url!r}, application_name={service!r}, "
+        f"exporters='pyroscope,otlp', {options})\n"
+        "spanprof.engine.install_label_engine(backend)\n"
+        "backend.start()\n"
+        f"with labels_scope(LabelSet({_CHILD_SPAN!r})):\n"
+        f"{body}\n"
+        "backend.shutdown()\n"
+    )
+    env = {
+        "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}",
+        "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT": otlp_url,
+        "OTEL_SERVICE_NAME": service,
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+
+
 def test_backend_with_both_exporters_sends_every_sample_to_both(tmp_path: Path) -> None:
     """ExactBackend(exporters="pyroscope,otlp") ships the same samples to both endpoints."""
-    import sys
-    import textwrap
-
     from spanprof._local._receiver import PushReceiver
 
     from .conftest import require
-    from .e2e.server import ROOT
 
     require(sys.platform.startswith("linux"), "the exact sampler needs Linux")
     with PushReceiver() as pyroscope, OtlpProfilesReceiver() as otlp:
-        script = textwrap.dedent(
-            f"""
-            import time
-            import spanprof
-            from spanprof._labels._labelset import LabelSet
-            from spanprof._labels._scope import labels_scope
-            from spanprof._profiling._exact import ExactBackend
-            backend = ExactBackend(server_address={pyroscope.url!r}, application_name="both",
-                                   upload_interval=1, sample_rate=250,
-                                   exporters="pyroscope,otlp")
-            spanprof.engine.install_label_engine(backend)
-            backend.start()
-            with labels_scope(LabelSet({{"span_id": "00f067aa0ba902b7",
-                                        "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736"}})):
-                end = time.thread_time() + 0.4
-                while time.thread_time() < end:
-                    pass
-            backend.shutdown()
+        _run_backend_child(
+            pyroscope.url,
+            otlp.url,
+            "both",
+            "upload_interval=1, sample_rate=250",
             """
+            end = time.thread_time() + 0.4
+            while time.thread_time() < end:
+                pass
+            """,
         )
-        env = {
-            "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}",
-            "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT": otlp.url,
-            "OTEL_SERVICE_NAME": "both",
-        }
-        result = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
-        )
-        assert result.returncode == 0, result.stderr
         pprof_total = sum(s.value for s in pyroscope.samples() if s.label_values("span_id"))
         otlp_samples = otlp.samples()
         assert otlp.errors == []
@@ -950,45 +968,23 @@ def test_wall_clock_profiles_are_wall_time_in_both_exporters() -> None:
     """clock="wall": the push is Pyroscope's wall profile (``__name__=wall``, sample and period
     type wall/nanoseconds) and the OTLP profile wall/nanoseconds too; neither is CPU (a labelled
     sleep has wall time and almost no CPU)."""
-    import sys
-    import textwrap
-
     from spanprof._local._receiver import PushReceiver
 
     from .conftest import require
-    from .e2e.server import ROOT
 
     require(sys.platform.startswith("linux"), "the exact sampler needs Linux")
     with PushReceiver() as pyroscope, OtlpProfilesReceiver() as otlp:
-        script = textwrap.dedent(
-            f"""
-            import time
-            import spanprof
-            from spanprof._labels._labelset import LabelSet
-            from spanprof._labels._scope import labels_scope
-            from spanprof._profiling._exact import ExactBackend
-            backend = ExactBackend(server_address={pyroscope.url!r}, application_name="wall",
-                                   upload_interval=3600, sample_rate=200, clock="wall",
-                                   memory=False, exporters="pyroscope,otlp")
-            spanprof.engine.install_label_engine(backend)
-            backend.start()
-            with labels_scope(LabelSet({{"span_id": "00f067aa0ba902b7",
-                                        "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736"}})):
-                end = time.monotonic() + 0.4
-                while time.monotonic() < end:
-                    time.sleep(0.01)
-            backend.shutdown()
+        _run_backend_child(
+            pyroscope.url,
+            otlp.url,
+            "wall",
+            'upload_interval=3600, sample_rate=200, clock="wall", memory=False',
             """
+            end = time.monotonic() + 0.4
+            while time.monotonic() < end:
+                time.sleep(0.01)
+            """,
         )
-        env = {
-            "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}",
-            "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT": otlp.url,
-            "OTEL_SERVICE_NAME": "wall",
-        }
-        result = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
-        )
-        assert result.returncode == 0, result.stderr
         series = pyroscope.series()
         pushed = pyroscope.samples("wall")
         assert pyroscope.samples("process_cpu") == []
