@@ -1111,6 +1111,10 @@ def test_local_mode_samples_cpu_when_the_environment_asks_for_the_wall_clock(
     env = {"SPANPROF_PROFILE_CLOCK": "cpu"}
     with LocalMode(ui_port=0, environ=env, policy=policy_from({})):
         assert env["SPANPROF_PROFILE_CLOCK"] == "cpu"
+    # A value that is neither is not turned into cpu: the backend's configuration error says it.
+    env = {"SPANPROF_PROFILE_CLOCK": "sundial"}
+    with LocalMode(ui_port=0, environ=env, policy=policy_from({})):
+        assert env["SPANPROF_PROFILE_CLOCK"] == "sundial"
 
 
 def _with_bad_samples(profile: bytes, *values: list[int]) -> bytes:

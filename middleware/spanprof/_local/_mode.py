@@ -203,9 +203,10 @@ class LocalMode:
             # gthread), and the app's middleware prepares it in the main thread at import.
             env["SPANPROF_PROFILER"] = "exact"
         clock = env_value(self.environ, "SPANPROF_PROFILE_CLOCK")
-        if clock and clock.strip().lower() != "cpu":
+        if clock.strip().lower() == "wall":
             # The page shows CPU profiles (and memory): a wall-clock sampler's profiles are
-            # wall profiles, which it would not show at all.
+            # wall profiles, which it would not show at all. Any other value is left for the
+            # backend's own check, which names the variable.
             logger.warning(
                 "spanprof dev: the page shows CPU profiles; SPANPROF_PROFILE_CLOCK=%s is set to "
                 "cpu while it runs",
