@@ -47,7 +47,7 @@ PROFILE_NAMES = {CPU_TIME: "process_cpu", WALL_TIME: "wall"}
 
 
 def series_labels(
-    application_name: str, tags: Mapping[str, str], *, name: str = "process_cpu"
+    application_name: str, tags: Mapping[str, str], *, name: str = PROFILE_NAMES[CPU_TIME]
 ) -> list[tuple[str, str]]:
     """The series labels pyroscope-io sends, with spanprof as the instrumentation scope.
 

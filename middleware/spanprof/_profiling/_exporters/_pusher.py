@@ -60,8 +60,8 @@ class Pusher(IntervalExporter):
         server_address: the Pyroscope URL (the push path is appended to it).
         labels: the series labels (see ``series_labels``).
         period_ns: the sampling period written into the profiles.
-        value_type: what CPU profiles' values count (``CPU_TIME``, or ``WALL_TIME`` for a
-            wall-clock sampler's); its profile name goes in ``labels``.
+        value_type: what the default encoder's values count (``CPU_TIME``, or ``WALL_TIME``
+            for a wall-clock sampler's); its profile name goes in ``labels``.
         upload_interval: seconds between uploads.
         tenant_id: sent as ``X-Scope-OrgID`` when set.
         basic_auth_username, basic_auth_password: basic auth, when either is set (else the
