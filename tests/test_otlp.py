@@ -1237,6 +1237,46 @@ def test_grpc_headers_grpcio_would_refuse_are_refused_naming_the_variable(
     assert over_http.headers == ((key, value),)
 
 
+def test_grpc_client_certificate_holding_its_key_does_not_abort_the_process(
+    tmp_path: Path,
+) -> None:
+    """A client certificate file that holds its key too (no ..._CLIENT_KEY) is accepted, as
+    Python's ssl takes it over http/protobuf; over gRPC the key must reach grpcio as well: a
+    certificate without one fails a CHECK in gRPC core, which aborts the whole process."""
+    _require_grpc()
+    import spanprof
+
+    combined = tmp_path / "client-with-key.pem"
+    combined.write_text((_TLS / "client.crt").read_text() + (_TLS / "client.key").read_text())
+    script = textwrap.dedent(
+        """
+        from spanprof._profiling._exporters._otlp import OtlpExporter, OtlpSettings
+        from tests.test_otlp import RESOURCE, _labels, _window
+
+        exporter = OtlpExporter(
+            OtlpSettings.from_env(),
+            upload_interval=60.0,
+            flush_timeout=1.0,
+            resource_attributes=lambda: RESOURCE,
+        )
+        exporter.start(lambda: _window((_labels(0), 5)))
+        exporter.stop()  # the export: nothing listens, so it is retried, then dropped
+        print(exporter.stats()["otlp_dropped"])
+        """
+    )
+    env = {
+        "PYTHONPATH": f"{Path(spanprof.__file__).parents[1]}:{ROOT}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"https://127.0.0.1:{free_port()}",
+        "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": str(combined),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1"
+
+
 def test_grpc_endpoint_credentials_go_as_authorization_metadata() -> None:
     """Over gRPC the endpoint's user:password@ is the same Basic authorization, as metadata,
     and the channel's target is the bare host:port."""

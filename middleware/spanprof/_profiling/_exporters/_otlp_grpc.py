@@ -125,9 +125,12 @@ class GrpcTransport:
                     with open(path, "rb") as file:
                         return file.read()
 
+                # The client certificate's file may hold its key too (as Python's ssl, and so
+                # OtlpSettings, accepts): grpcio must get the key either way, since a certificate
+                # without one fails a CHECK in gRPC core that aborts the whole process.
                 credentials = grpc.ssl_channel_credentials(
                     root_certificates=read(settings.certificate),
-                    private_key=read(settings.client_key),
+                    private_key=read(settings.client_key or settings.client_certificate),
                     certificate_chain=read(settings.client_certificate),
                 )
                 self._channel = grpc.secure_channel(
