@@ -426,15 +426,20 @@ class GrpcProfilesReceiver:
             context.abort(grpc.StatusCode.UNAVAILABLE, "down for a moment")
         if outcome == "invalid":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no")
-        if outcome == "exhausted":
-            status = status_pb2.Status(code=8, message="slow down")
+        if outcome in ("exhausted", "throttled"):
+            # OTLP/gRPC throttling is UNAVAILABLE with a RetryInfo; RESOURCE_EXHAUSTED is
+            # retryable only with one.
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            if outcome == "throttled":
+                code = grpc.StatusCode.UNAVAILABLE
+            status = status_pb2.Status(code=code.value[0], message="slow down")
             status.details.add().Pack(
                 error_details_pb2.RetryInfo(retry_delay=Duration(seconds=1, nanos=0))
             )
             context.set_trailing_metadata(
                 (("grpc-status-details-bin", status.SerializeToString()),)
             )
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "slow down")
+            context.abort(code, "slow down")
         request = ExportProfilesServiceRequest()
         request.ParseFromString(body)
         self.errors.extend(model_violations(request))

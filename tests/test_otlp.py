@@ -1126,6 +1126,24 @@ def test_grpc_export_sends_the_same_request_and_retries_by_the_otlp_grpc_rules()
     assert accepted - exhausted >= 0.95
 
 
+def test_grpc_export_waits_as_long_as_the_retry_info_of_an_unavailable_says() -> None:
+    """OTLP/gRPC throttling is UNAVAILABLE with a RetryInfo: retried after its delay (1 s), as
+    a 503's Retry-After is, not after the back-off (0.05 s)."""
+    _require_grpc()
+    with GrpcProfilesReceiver(["throttled"]) as receiver:
+        exporter = _grpc_exporter(receiver.port)
+        windows = iter([_window((_labels(0), 10_000_000))])
+        exporter.start(lambda: next(windows, Window(time.time_ns(), StackTables())))
+        deadline = time.monotonic() + 10
+        while not receiver.requests and time.monotonic() < deadline:
+            time.sleep(0.02)
+        exporter.stop()
+    stats = exporter.stats()
+    assert (stats["otlp_failures"], stats["otlp_retries"], stats["otlp_uploads"]) == (1, 1, 1)
+    throttled, accepted = receiver.times
+    assert accepted - throttled >= 0.95
+
+
 def test_grpc_export_drops_what_the_server_rejects() -> None:
     """INVALID_ARGUMENT is not retried: the window is dropped and counted as rejected."""
     _require_grpc()

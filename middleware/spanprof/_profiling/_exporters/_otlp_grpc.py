@@ -4,7 +4,8 @@ One unary ``opentelemetry.proto.collector.profiles.v1development.ProfilesService
 per window, the already encoded request passed as bytes both ways (no ``protobuf`` needed).
 Retries follow OTLP/gRPC: ``CANCELLED``, ``DEADLINE_EXCEEDED``, ``ABORTED``, ``OUT_OF_RANGE``,
 ``UNAVAILABLE`` and ``DATA_LOSS`` are retried, ``RESOURCE_EXHAUSTED`` only when the server
-sends a ``RetryInfo`` (whose delay is then honoured); anything else drops the window.
+sends a ``RetryInfo``; a ``RetryInfo``'s delay is honoured whatever the code (throttling is
+``UNAVAILABLE`` with one); anything else drops the window.
 """
 
 from __future__ import annotations
@@ -175,15 +176,19 @@ class GrpcTransport:
             code = exc.code() if hasattr(exc, "code") else None
             name = getattr(code, "name", "UNKNOWN")
             detail = f"gRPC {name}"
-            if name in _RETRYABLE:
-                return "retry", detail, None, b""
-            if name == "RESOURCE_EXHAUSTED":
-                trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else ()
-                for key, value in trailers or ():
-                    if key == "grpc-status-details-bin" and isinstance(value, bytes):
-                        delay = retry_info_delay(value)
-                        if delay is not None:
-                            return "retry", detail, delay, b""
+            if name not in _RETRYABLE and name != "RESOURCE_EXHAUSTED":
+                return "reject", detail, None, b""
+            # OTLP/gRPC throttling is UNAVAILABLE with a RetryInfo, whose delay the client
+            # SHOULD wait (as an HTTP 503's Retry-After); RESOURCE_EXHAUSTED is retryable only
+            # with one.
+            delay = None
+            trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else ()
+            for key, value in trailers or ():
+                if key == "grpc-status-details-bin" and isinstance(value, bytes):
+                    delay = retry_info_delay(value)
+                    break
+            if name in _RETRYABLE or delay is not None:
+                return "retry", detail, delay, b""
             return "reject", detail, None, b""
         return "ok", "OK", None, answer
 
