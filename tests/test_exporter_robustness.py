@@ -29,6 +29,7 @@ from spanprof._profiling._exporters._pusher import Pusher
 from spanprof._profiling._window import Window
 
 from .e2e.faults import faulty_endpoint, read_request
+from .e2e.server import free_port
 from .exporting import CountingWindows, log_messages, one_sample_window, wait_until
 from .otlp_profiles import OtlpProfilesReceiver
 
@@ -200,6 +201,25 @@ def test_a_frame_from_a_non_utf8_path_is_sent_with_the_rest_of_its_window(kind: 
     frames = {(f.function, f.filename) for s in samples for f in s.stack}
     assert ("w\\xffrk", "/srv/caf\\xe9/legacy.py") in frames, frames
     assert any(s.has_function("_leaf") for s in samples), samples
+
+
+def test_a_window_retried_for_hours_still_backs_off_without_an_error(kind: Kind) -> None:
+    """An idle process (only empty windows) retries its one pending window for as long as the
+    endpoint is down: past 1024 attempts (8 hours at the default 30 s back-off) the doubling
+    back-off must not overflow, making each retry an unexpected error."""
+    exporter = kind.make(
+        f"http://127.0.0.1:{free_port()}{kind.path}",
+        # 1100 attempts in about a second, not in 9 hours.
+        backoff_initial=1e-6,
+        backoff_max=1e-6,
+    )
+    windows = iter([one_sample_window()])
+    exporter.start(lambda: next(windows, Window(time.time_ns(), one_sample_window().tables)))
+    try:
+        assert wait_until(lambda: kind.stat(exporter, "failures") >= 1100, 60), exporter
+        assert (kind.stat(exporter, "errors"), kind.stat(exporter, "pending")) == (0, 1)
+    finally:
+        exporter.stop()
 
 
 # --- 8. slow and huge answers --------------------------------------------------------------------

@@ -233,7 +233,10 @@ class IntervalExporter:
                 continue
             self.failures += 1
             payload.attempts += 1
-            delay = min(self.backoff_max, self.backoff_initial * 2 ** (payload.attempts - 1))
+            # The exponent is capped: an idle process retries its one window for as long as the
+            # endpoint is away, and 2 ** 1024 overflows a float (past backoff_max long before).
+            doublings = min(payload.attempts - 1, 64)
+            delay = min(self.backoff_max, self.backoff_initial * 2**doublings)
             delay *= random.uniform(0.8, 1.2)
             if wait is not None:
                 delay = max(delay, wait)
