@@ -1062,6 +1062,21 @@ def test_app_loading_and_interface_detection() -> None:
         import_app("tests.test_local_mode:nothing_here")
 
 
+def test_cli_never_prints_the_password_of_the_configured_address(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The line saying where profiles do not go shows PYROSCOPE_SERVER_ADDRESS redacted: its
+    user info is basic auth, never logged (README, "Configuration")."""
+    secret = "glc_s3cr3t%2Ftoken"
+    address = f"https://123456:{secret}@profiles.example.com"
+    monkeypatch.setenv("PYROSCOPE_SERVER_ADDRESS", address)
+    argv = ["dev", "tests.test_local_mode:nothing_here", "--ui-port", "0", "--port", "0"]
+    assert cli_main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "not to https://123456:***@profiles.example.com" in out
+    assert "s3cr3t" not in out + err
+
+
 def test_cli_reports_a_bad_app_and_a_bad_slo(capsys: pytest.CaptureFixture[str]) -> None:
     """`spanprof dev` exits non-zero with a message naming the problem."""
     assert cli_main(["dev", "tests.test_local_mode:nothing_here", "--ui-port", "0"]) == 1

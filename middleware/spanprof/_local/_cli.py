@@ -8,6 +8,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 
+from .._config import redact_url
 from .._env import env_value
 from ._mode import LocalMode, import_app
 from ._slo import SloPolicy, policy_from
@@ -125,9 +126,13 @@ def dev(args: argparse.Namespace) -> int:
         policy=policy,
         service_name=service_name(args, os.environ),
     )
-    configured = os.environ.get("PYROSCOPE_SERVER_ADDRESS", "").strip()
+    configured = env_value(os.environ, "PYROSCOPE_SERVER_ADDRESS").strip()
     if configured:
-        print(f"spanprof dev: profiles go to the local page, not to {configured}", flush=True)
+        # Redacted like every other place the address is shown: it may carry user:password.
+        print(
+            f"spanprof dev: profiles go to the local page, not to {redact_url(configured)}",
+            flush=True,
+        )
     try:
         local.start()
     except OSError as exc:
