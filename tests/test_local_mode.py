@@ -1270,6 +1270,31 @@ def test_cli_reports_an_app_port_in_use_without_a_traceback(factory: str) -> Non
     assert "spanprof dev: app " not in done.stdout
 
 
+@pytest.mark.parametrize("factory", ["make_wsgi_app", "make_app"])
+@pytest.mark.parametrize("duration", ["0", "0.001"])
+def test_cli_stops_after_a_duration_shorter_than_its_start(factory: str, duration: str) -> None:
+    """`--duration` stops the run even when it ends before the app server serves: the stop
+    request made then is kept for serve (it used to be lost, and the run never ended)."""
+    argv = [sys.executable, "-m", "spanprof", "dev", f"tests.test_local_mode:{factory}",
+            "--factory", "--port", "0", "--ui-port", "0", "--duration", duration]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'middleware'}"}
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("duration", ["-1", "nan", "inf", "1e309"])
+def test_cli_refuses_a_duration_that_is_not_a_finite_number_of_seconds(
+    duration: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A negative, NaN or infinite --duration is a usage error naming the option (NaN and -1
+    used to run forever, inf to print an OverflowError from the timer thread)."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["dev", "x:app", "--duration", duration])
+    assert exit_info.value.code == 2
+    assert "argument --duration: expected" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("option", ["--port", "--ui-port"])
 def test_cli_refuses_a_port_out_of_range(option: str, capsys: pytest.CaptureFixture[str]) -> None:
     """A port past 65535 is a usage error naming the option, not an OverflowError from bind."""

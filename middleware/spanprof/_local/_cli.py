@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import threading
@@ -31,6 +32,19 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {port}")
     return port
+
+
+def _duration(text: str) -> float:
+    """Seconds to run, refused by argparse (exit 2, usage shown) unless finite and >= 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number of seconds, 0 or more, got {text!r}"
+        )
+    return seconds
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     dev.add_argument(
-        "--duration", type=float, metavar="SECONDS", help="stop by itself after SECONDS"
+        "--duration", type=_duration, metavar="SECONDS", help="stop by itself after SECONDS"
     )
     return parser
 

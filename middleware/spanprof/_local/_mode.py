@@ -168,6 +168,8 @@ class LocalMode:
         self._started = False
         self._started_at = time.monotonic()
         self._stop_lock = threading.Lock()
+        # Set by request_stop: a hook registered later (serve not yet serving) runs at once.
+        self._stop_requested = False
         self.interface: str | None = None
         # What ``listen`` bound, for ``serve`` to take over.
         self._wsgi_server: WSGIServer | None = None
@@ -179,6 +181,8 @@ class LocalMode:
         """Start the receiver and the page; point the profiler and the SLO settings at them."""
         if self._started:
             return self
+        with self._stop_lock:
+            self._stop_requested = False
         self.receiver.start()
         try:
             self.ui.start()
@@ -240,8 +244,13 @@ class LocalMode:
         return provider
 
     def on_stop(self, hook: Callable[[], None]) -> None:
-        """Run ``hook`` when ``request_stop`` is called (e.g. stop a helper server)."""
-        self._stop_hooks.append(hook)
+        """Run ``hook`` when ``request_stop`` is called (e.g. stop a helper server), or now if
+        it already was: a stop asked for before ``serve`` began serving is not lost."""
+        with self._stop_lock:
+            if not self._stop_requested:
+                self._stop_hooks.append(hook)
+                return
+        hook()
 
     def listen(self, app: Any, interface: str = "auto") -> None:
         """Bind ``host:port`` for ``app`` now rather than in ``serve``.
@@ -298,6 +307,7 @@ class LocalMode:
     def request_stop(self) -> None:
         """Ask ``serve`` to return (thread-safe, idempotent)."""
         with self._stop_lock:
+            self._stop_requested = True
             hooks, self._stop_hooks = self._stop_hooks, []
         for hook in hooks:
             hook()
