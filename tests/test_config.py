@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -625,3 +626,45 @@ def test_slo_policy_takes_numbers_not_booleans_or_strings() -> None:
     with pytest.raises(ValueError, match=r"SloPolicy\.routes"):
         SloPolicy(routes={"/a": "0.2"})  # type: ignore[dict-item]
     assert SloPolicy(default=1, routes={"/a": 0.2}).threshold("/a") == 0.2
+
+
+@pytest.mark.parametrize(
+    ("build", "setting"),
+    [
+        (lambda: SloPolicy(default=10**400), "SloPolicy.default"),
+        (lambda: SloPolicy(default=10**5000), "SloPolicy.default"),
+        (lambda: SloPolicy(routes={"/checkout": 10**400}), "SloPolicy.routes"),
+        (
+            lambda: ProfilingMiddleware(_app, profiler=None, slo_seconds=10**400, environ={}),
+            "slo_seconds",
+        ),
+        (
+            lambda: ProfilingMiddleware(
+                _app, profiler=None, route_slos={"/checkout": 10**400}, environ={}
+            ),
+            "route_slos",
+        ),
+        (
+            lambda: ProfilingMiddleware(
+                _app,
+                environ={
+                    "PYROSCOPE_SERVER_ADDRESS": "http://p:4040",
+                    "PYROSCOPE_UPLOAD_INTERVAL": "9" * 5000,
+                },
+            ),
+            "PYROSCOPE_UPLOAD_INTERVAL",
+        ),
+        (
+            lambda: ExactBackend(server_address="http://p:4040", upload_interval=10**5000),
+            "upload_interval",
+        ),
+        (lambda: ExactBackend(server_address="http://p:4040", sample_rate=10**5000), "sample_rate"),
+    ],
+)
+def test_a_huge_number_is_refused_naming_the_setting(
+    build: Callable[[], object], setting: str
+) -> None:
+    """An int past float's range, or past int()'s 4300 digits, is out of range like any other:
+    a ValueError naming the setting, not an OverflowError or Python's own digit-limit error."""
+    with pytest.raises(ValueError, match=re.escape(setting)):
+        build()

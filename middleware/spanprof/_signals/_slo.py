@@ -25,10 +25,16 @@ def _threshold(setting: str, value: object, *, text: bool = False) -> float:
         )
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
         number = math.nan
     if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"{setting}={value!r}: expected a positive number of seconds")
+        # repr() of an int past 4300 digits would raise a ValueError naming nothing.
+        shown = (
+            f"<an integer of {value.bit_length()} bits>"
+            if isinstance(value, int) and value.bit_length() > 64
+            else repr(value)
+        )
+        raise ValueError(f"{setting}={shown}: expected a positive number of seconds")
     return number
 
 
