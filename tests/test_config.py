@@ -619,6 +619,25 @@ def test_a_middleware_option_of_the_wrong_type_is_named(options: dict[str, Any],
         WSGIProfilingMiddleware(lambda environ, start_response: [], **arguments)
 
 
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"SPANPROF_SLO_SECONDS": 0.3},
+        {"SPANPROF_TRACE_ID_LABEL": False},
+        {**AGENT_ENV, "SPANPROF_PROFILER": "exact", "PYROSCOPE_SAMPLE_RATE": 100},
+        {**AGENT_ENV, "SPANPROF_PROFILER": "exact", "PYROSCOPE_SERVER_ADDRESS": b"http://p"},
+        {"SPANPROF_PROFILES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": 5000},
+        {"SPANPROF_PROFILES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": 4318},
+    ],
+)
+def test_an_environ_value_that_is_not_a_str_is_named(environ: dict[str, Any]) -> None:
+    """environ={"SPANPROF_SLO_SECONDS": 0.3}: a TypeError naming the variable, not an
+    AttributeError ('float' object has no attribute 'strip') from deep inside a parser."""
+    (name,) = (key for key, value in environ.items() if not isinstance(value, str))
+    with pytest.raises(TypeError, match=rf"^environ\[{name!r}\]: expected a str"):
+        ProfilingMiddleware(_app, environ=environ)
+
+
 def test_slo_policy_takes_numbers_not_booleans_or_strings() -> None:
     """SloPolicy(default=True) was a 1-second SLO; a string threshold was parsed."""
     with pytest.raises(ValueError, match=r"SloPolicy\.default"):

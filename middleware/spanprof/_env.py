@@ -16,8 +16,17 @@ def env_value(env: Mapping[str, str], name: str, default: str = "") -> str:
     """``env[name]``, or ``default`` when it is unset, empty or only whitespace.
 
     A value with content is returned as it is (its parser decides about surrounding spaces).
+    A value that is not a str (``environ={"SPANPROF_SLO_SECONDS": 0.3}``) raises ``TypeError``
+    naming the variable, not an ``AttributeError`` from whichever parser meets it first.
     """
     value = env.get(name)
-    if value is None or not value.strip():
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        # The value is not shown: it may be a secret (a password, a header).
+        raise TypeError(
+            f"environ[{name!r}]: expected a str, as os.environ holds, got {type(value).__name__}"
+        )
+    if not value.strip():
         return default
     return value

@@ -40,6 +40,7 @@ from ..._config import (
     split_credentials,
     url_problem,
 )
+from ..._env import env_value
 from ..._logging import log_once
 from ..._version import __version__
 from .._encoders._otlp import (
@@ -78,7 +79,7 @@ _DEFAULT_GRPC_ENDPOINT = "http://localhost:4317"
 def _variable(env: Mapping[str, str], suffix: str) -> tuple[str, str]:
     """``(name, value)`` of the profiles-specific variable if set, else of the generic one."""
     for name in (f"OTEL_EXPORTER_OTLP_PROFILES_{suffix}", f"OTEL_EXPORTER_OTLP_{suffix}"):
-        value = env.get(name, "").strip()
+        value = env_value(env, name).strip()
         if value:
             return name, value
     return f"OTEL_EXPORTER_OTLP_PROFILES_{suffix}", ""
@@ -313,10 +314,10 @@ class OtlpSettings:
             raise ValueError(f"{name}=grpc needs grpcio: pip install 'spanprof[grpc]'")
         name, raw_insecure = _variable(env, "INSECURE")
         insecure = parse_bool(name, raw_insecure) if raw_insecure else False
-        specific = env.get("OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT", "").strip()
+        specific = env_value(env, "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT").strip()
         if protocol == "grpc":
             name = "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT"
-            endpoint = specific or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+            endpoint = specific or env_value(env, "OTEL_EXPORTER_OTLP_ENDPOINT").strip()
             if not specific:
                 name = "OTEL_EXPORTER_OTLP_ENDPOINT"
             endpoint = endpoint or _DEFAULT_GRPC_ENDPOINT
@@ -327,7 +328,7 @@ class OtlpSettings:
         elif specific:
             endpoint = check_url("OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT", specific)
         else:
-            base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or _DEFAULT_ENDPOINT
+            base = env_value(env, "OTEL_EXPORTER_OTLP_ENDPOINT").strip() or _DEFAULT_ENDPOINT
             check_url("OTEL_EXPORTER_OTLP_ENDPOINT", base)
             if "?" in base:
                 # The signal's path goes after the base: it would land inside the query.
