@@ -553,6 +553,38 @@ def test_an_excluded_url_pattern_anchored_to_the_root_page_is_accepted(
     assert [s.name for s in _server_spans(span_exporter)] == ["GET /api/users/{user_id:int}"]
 
 
+@pytest.mark.parametrize(
+    ("excluded", "excluded_paths", "traced_paths"),
+    [
+        # A pattern on the query string, as the README's URL `http://host/path?query` allows.
+        ("[?&]probe=1", ["/items/3?probe=1", "/api/users/1?a=2&probe=1"], ["/items/3?a=1"]),
+        # The end of a URL with a query is the query's end, not the path's.
+        ("/items/3$", ["/items/3"], ["/items/3?page=2", "/api/users/1"]),
+    ],
+)
+def test_excluded_url_patterns_are_searched_in_the_url_with_its_query(
+    recorder: RecorderBackend,
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    excluded: str,
+    excluded_paths: list[str],
+    traced_paths: list[str],
+) -> None:
+    """excluded_urls are searched in `http://host/path?query` (README), as in the WSGI
+    middleware: ASGI used to search OTel's URL, which ends at the path."""
+    calls: list[str] = []
+    app = _counted(build_app(recorder), calls, tracer_provider, excluded_urls=excluded)
+
+    async def main() -> None:
+        async with _client(app) as client:
+            for path in excluded_paths + traced_paths:
+                await client.get(path)
+
+    asyncio.run(main())
+    assert len(calls) == len(excluded_paths + traced_paths)
+    assert len(_server_spans(span_exporter)) == len(traced_paths)
+
+
 async def _app_noop(scope: Any, receive: Any, send: Any) -> None:
     return None
 

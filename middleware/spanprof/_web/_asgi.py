@@ -442,7 +442,13 @@ class ProfilingMiddleware:
     @staticmethod
     def _is_excluded(excluded: ExcludedUrls, scope: Scope) -> bool:
         try:
-            return bool(excluded.url_disabled(_host_port_url(scope)[2]))
+            url = _host_port_url(scope)[2]
+            # OTel's URL ends at the path; the patterns are searched in the whole URL,
+            # `http://host/path?query`, as the WSGI middleware's (wsgiref's request_uri) is.
+            query = scope.get("query_string")
+            if query:
+                url += "?" + bytes(query).decode("latin-1")
+            return bool(excluded.url_disabled(url))
         except Exception:  # an undecodable Host header: OTel copes with it (see _sanitized)
             return False
 
