@@ -673,3 +673,57 @@ def test_a_pipelined_request_started_from_the_previous_ones_send_gets_its_own_sp
     assert second["labels"]["span_id"] == format(spans[-1].context.span_id, "016x")
     assert second["labels"]["trace_id"] == second_trace
     assert first["labels"]["span_id"] != second["labels"]["span_id"]
+
+
+def test_a_pipelined_excluded_request_does_not_run_with_the_previous_requests_labels(
+    recorder: RecorderBackend,
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+) -> None:
+    """The next pipelined request inherits the previous one's context (uvicorn's h11 protocol
+    starts its task inside the previous request's last send). An excluded one ran there: its
+    code (and its children's) carried the previous request's span_id, and its OTel spans were
+    children of the previous request's ended span."""
+    import contextvars
+    from collections.abc import MutableMapping
+
+    app = ProfilingMiddleware(
+        build_app(recorder),
+        profiler=None,
+        tracer_provider=tracer_provider,
+        excluded_urls="/items/health",
+    )
+
+    def scope(path: str) -> dict[str, Any]:
+        return {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+            "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "headers": [(b"host", b"testserver")], "server": ("testserver", 80),
+            "client": ("127.0.0.1", 5000), "root_path": "",
+        }  # fmt: skip
+
+    async def receive() -> MutableMapping[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def main() -> list[dict[str, Any]]:
+        bodies: list[bytes] = []
+        inherited: list[contextvars.Context] = []
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                bodies.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    inherited.append(contextvars.copy_context())
+
+        await app(scope("/items/1"), receive, send)
+        loop = asyncio.get_running_loop()
+        excluded_request = app(scope("/items/health"), receive, send)
+        await inherited[0].run(loop.create_task, excluded_request)
+        return [json.loads(body) for body in bodies if body]
+
+    first, excluded = asyncio.run(main())
+    assert first["labels"]["span_name"] == "GET /items/{item_id}"
+    for snapshot in (excluded, excluded["child"], excluded["pool"]):
+        assert snapshot["labels"] == {}
+        assert snapshot["thread"] == {}
+    assert [s.name for s in _server_spans(span_exporter)] == ["GET /items/{item_id}"]

@@ -460,10 +460,6 @@ class ProfilingMiddleware:
             else:
                 await self.app(scope, receive, send)
             return
-        excluded = self._excluded
-        if excluded is not None and self._is_excluded(excluded, scope):
-            await self.app(scope, receive, send)
-            return
         current = trace.get_current_span()
         inherited = _REQUEST.get()
         if is_ended_span(current) or (inherited is not None and inherited.finished is not None):
@@ -471,7 +467,12 @@ class ProfilingMiddleware:
             # previous request's last send, and inherits its context: its span, its labels.
             # The request starts afresh from an empty context instead. A sampled-out span
             # never looks ended (it is not an SDK span): the previous response's end says it.
+            # Checked before the exclusion: an excluded request must not run with them either.
             await self._afresh(scope, receive, send)
+            return
+        excluded = self._excluded
+        if excluded is not None and self._is_excluded(excluded, scope):
+            await self.app(scope, receive, send)
             return
         if inherited is not None or is_labelled_span(current):
             # An outer spanprof layer owns this request (this app is mounted in its app): it
