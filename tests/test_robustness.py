@@ -157,6 +157,27 @@ def test_ten_thousand_raw_paths_yield_one_name_per_route(
     assert span_names == {"GET /users/{user_id}", "GET <unmatched>"}
 
 
+def test_unknown_methods_are_never_kept(
+    tracer_provider: TracerProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Methods are the client's text (h11 takes any token up to 16 KiB): span_name's cache kept
+    each unknown one it saw, up to 10,000 of them, for the life of the process."""
+    from spanprof._web import _routes
+
+    monkeypatch.setattr(_routes, "_names", {})
+    app = ProfilingMiddleware(_app(), profiler=None, tracer_provider=tracer_provider, environ={})
+
+    async def main() -> None:
+        for i in range(200):
+            status, _ = await _call(app, _scope(b"/users/1", [], f"M{i:04d}".ljust(4096, "X")))
+            assert status == 405
+        for method in ("GET", "POST"):
+            await _call(app, _scope(b"/users/1", [], method))
+
+    asyncio.run(main())
+    assert {method for method, _ in _routes._names} == {"GET", "POST"}
+
+
 def test_absurd_route_templates_are_sanitized(
     tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
 ) -> None:

@@ -55,7 +55,10 @@ def span_name(method: str, template: str) -> str:
     name = _names.get(key)
     if name is None:
         name = f"{known_method(method)} {template}"
-        if len(_names) < _MAX_NAMES:  # bounded: templates are few, but a custom resolver may lie
+        # Bounded: templates are few, but a custom resolver may lie. Only standard methods are
+        # remembered: any other is the client's own text, of any length (h11 takes a 16 KiB
+        # method), and 10,000 of them were kept for good.
+        if method in _KNOWN_METHODS and len(_names) < _MAX_NAMES:
             _names[key] = name
     return name
 
