@@ -322,6 +322,25 @@ def test_auto_keeps_pyroscope_io_on_a_threaded_server_and_says_why(tmp_path: Pat
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(60)
+def test_auto_samples_a_threaded_server_exactly_when_the_wall_clock_is_asked_for(
+    tmp_path: Path,
+) -> None:
+    """SPANPROF_PROFILE_CLOCK=wall: only the exact sampler sends wall profiles, so auto does not
+    prefer pyroscope-io on a threaded server (as with OTLP); it used to run the agent, which
+    sent CPU profiles, with no word of the wall clock asked for."""
+    require(LINUX, "the exact sampler needs Linux thread CPU clocks")
+    pytest.importorskip("pyroscope")
+    with PushReceiver() as receiver:
+        proc = _serve(tmp_path, receiver.url, SPANPROF_PROFILE_CLOCK="wall")
+    assert proc.returncode == 0, proc.stderr
+    assert "mode exact" in proc.stdout
+    assert "INFO:spanprof:spanprof: profiling with the exact sampler" in proc.stderr
+    assert ", wall clock" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.e2e
 @pytest.mark.needs_agent
 @pytest.mark.timeout(60)
 def test_auto_off_the_main_thread_without_a_prepared_handler_says_what_would_make_it_exact(

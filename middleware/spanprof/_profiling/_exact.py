@@ -362,8 +362,16 @@ class ExactBackend(WithPyroscopeSettings):
             self._idle_sampler, self._idle_pid = sampler, pid
             in_main = in_main_os_thread()
             agent_missing = ""
-            if not in_main and self.auto and self.exporters == ("pyroscope",) and sampler.prepared:
+            if (
+                not in_main
+                and self.auto
+                and self.exporters == ("pyroscope",)
+                and self.clock == "cpu"
+                and sampler.prepared
+            ):
                 # A threaded server: auto prefers the agent where it is installed (see _THREADED).
+                # Not for OTLP or a wall clock, which only the exact sampler gives (the agent
+                # would send CPU profiles in place of the wall ones asked for, saying nothing).
                 # Only where the exact sampler could run instead (prepared in the main thread):
                 # otherwise its start below fails and the fallback says what would make it run,
                 # not advise SPANPROF_PROFILER=exact, which could not run here either.
@@ -424,7 +432,13 @@ class ExactBackend(WithPyroscopeSettings):
                     "in the main thread, or build the WSGI middleware in the main thread (at "
                     "import) of a threaded server, to profile them exactly. Samples carry no "
                     "slo label (breached/ok) and spans no spanprof.cpu_time_s: both need the "
-                    "exact sampler",
+                    "exact sampler"
+                    + (
+                        ""
+                        if self.clock == "cpu"
+                        else "; and they count CPU time: SPANPROF_PROFILE_CLOCK=wall (a wall "
+                        "profile) needs the exact sampler too"
+                    ),
                 )
             except BaseException:
                 stop_all(exporters)
