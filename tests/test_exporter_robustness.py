@@ -12,7 +12,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import CodeType
@@ -297,5 +297,69 @@ def test_stop_cuts_an_upload_in_flight_to_the_flush_budget(kind: Kind) -> None:
     assert thread is not None
     assert not thread.is_alive()
     # The upload in flight and the flush share the 0.5 s budget (plus one 0.25 s wait slice).
+    assert took < 1.2, took
+    assert kind.stat(exporter, "dropped") >= 1
+
+
+@pytest.fixture
+def black_hole() -> Iterator[str]:
+    """The URL of a listener whose accept queue is full: the kernel drops further SYNs, so a
+    connect hangs, as to a firewalled host (a DROP rule)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    address = listener.getsockname()
+    held: list[socket.socket] = []
+    try:
+        while True:  # fill the queue until a connect hangs
+            conn = socket.socket()
+            held.append(conn)
+            conn.settimeout(0.2)
+            try:
+                conn.connect(address)
+            except TimeoutError:
+                break
+        yield f"http://127.0.0.1:{address[1]}"
+    finally:
+        for conn in held:
+            conn.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_stop_cuts_an_upload_still_connecting_to_the_flush_budget(
+    kind: Kind, black_hole: str, scheme: str
+) -> None:
+    """stop() while an upload's connect hangs (SYNs dropped) returns within flush_timeout, and
+    the thread with it: a connect timeout, fixed when the connect starts, would hold them for
+    the whole 30 s upload timeout."""
+    address = black_hole.replace("http://", f"{scheme}://", 1)
+    exporter = kind.make(address + kind.path, timeout=30.0, flush_timeout=0.5)
+    exporter.start(CountingWindows())
+    time.sleep(0.4)  # the first upload is connecting now
+    started = time.monotonic()
+    thread = exporter._thread
+    exporter.stop()
+    took = time.monotonic() - started
+    assert thread is not None
+    assert not thread.is_alive()
+    assert took < 1.2, took
+    assert kind.stat(exporter, "dropped") >= 1
+
+
+def test_stop_cuts_an_upload_in_its_tls_handshake_to_the_flush_budget(kind: Kind) -> None:
+    """stop() while an https upload waits for a ServerHello that never comes returns within
+    flush_timeout: the handshake waits in slices too."""
+    with faulty_endpoint("hang") as address:
+        url = address.replace("http://", "https://", 1) + kind.path
+        exporter = kind.make(url, timeout=30.0, flush_timeout=0.5)
+        exporter.start(CountingWindows())
+        time.sleep(0.4)  # the first upload is in its TLS handshake now
+        started = time.monotonic()
+        thread = exporter._thread
+        exporter.stop()
+        took = time.monotonic() - started
+    assert thread is not None
+    assert not thread.is_alive()
     assert took < 1.2, took
     assert kind.stat(exporter, "dropped") >= 1

@@ -7,14 +7,19 @@ Both exporters' threads post through ``Poster``, and nothing an endpoint does ca
   the remainder.
 - At most ``max_response_bytes`` of an answer are read. A longer one is cut, and the
   connection goes with it.
+- The connect waits in slices too, and so does the TLS handshake: a black-holed endpoint (its
+  SYNs dropped) holds a post no longer than its deadline, which ``cut()`` can move closer.
 - ``cut(deadline)`` moves the deadline of a post in flight closer (``stop()`` does).
 """
 
 from __future__ import annotations
 
+import errno
 import gzip
 import http.client
 import io
+import os
+import selectors
 import socket
 import ssl
 import time
@@ -202,10 +207,50 @@ class _DeadlineSocket:
         return getattr(self._sock, name)
 
 
+_CONNECTING = (errno.EINPROGRESS, errno.EALREADY, errno.EWOULDBLOCK, errno.EINTR)
+
+
+def _connect_by_deadline(
+    conn: _DeadlineHTTP | _DeadlineHTTPS,
+    address: tuple[str, int],
+    timeout: object = None,
+    source_address: tuple[str, int] | None = None,
+) -> socket.socket:
+    """``socket.create_connection`` whose wait for each address is cut in slices, checking
+    ``conn.deadline`` between them: one connect timeout would be fixed when the connect starts,
+    and ``cut()`` could not shorten it (``timeout``, http.client's, is not used)."""
+    host, port = address
+    error: OSError | None = None
+    for family, kind, proto, _name, peer in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            if source_address:
+                sock.bind(source_address)
+            sock.setblocking(False)
+            code = sock.connect_ex(peer)
+            if code in _CONNECTING:
+                with selectors.DefaultSelector() as selector:
+                    selector.register(sock, selectors.EVENT_WRITE)
+                    while code in _CONNECTING:
+                        if selector.select(_remaining(conn, "connecting")):
+                            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if code:
+                raise OSError(code, os.strerror(code))
+            sock.settimeout(_remaining(conn, "connecting"))
+            return sock
+        except BaseException as exc:
+            sock.close()
+            if not isinstance(exc, OSError) or isinstance(exc, TimeoutError):
+                raise
+            error = exc
+    raise error or OSError(f"no address found for {host!r}")
+
+
 class _DeadlineHTTP(http.client.HTTPConnection):
     deadline = float("inf")
 
     def connect(self) -> None:
+        self._create_connection = lambda *args: _connect_by_deadline(self, *args)
         super().connect()
         self.sock = cast(socket.socket, _DeadlineSocket(self.sock, self))
 
@@ -214,5 +259,19 @@ class _DeadlineHTTPS(http.client.HTTPSConnection):
     deadline = float("inf")
 
     def connect(self) -> None:
-        super().connect()  # the TLS handshake runs under the connect timeout (the remainder)
-        self.sock = cast(socket.socket, _DeadlineSocket(self.sock, self))
+        self._create_connection = lambda *args: _connect_by_deadline(self, *args)
+        # TCP only; then the TLS handshake, in slices too (http.client's would run under one
+        # timeout, fixed when it starts).
+        http.client.HTTPConnection.connect(self)
+        sock = self._context.wrap_socket(  # type: ignore[attr-defined]
+            self.sock, server_hostname=self.host, do_handshake_on_connect=False
+        )
+        self.sock = sock
+        while True:
+            sock.settimeout(_remaining(self, "in the TLS handshake"))
+            try:
+                sock.do_handshake()
+                break
+            except TimeoutError:
+                continue  # one slice passed: check the deadline again
+        self.sock = cast(socket.socket, _DeadlineSocket(sock, self))
