@@ -18,7 +18,7 @@ from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricR
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind, Tracer
+from opentelemetry.trace import SpanKind, StatusCode, Tracer
 from opentelemetry.trace import TracerProvider as APITracerProvider
 from starlette.endpoints import HTTPEndpoint, WebSocketEndpoint
 from starlette.requests import Request
@@ -717,3 +717,38 @@ def test_the_servers_send_failing_on_the_last_body_still_reaches_the_app(
         asyncio.run(middleware(_scope(), receive, send))
     assert raised.value is gone
     assert seen == [gone]
+
+
+def test_request_headers_otel_cannot_decode_for_capture_leave_one_server_span(
+    tracer_provider: TracerProvider,
+    span_exporter: InMemorySpanExporter,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    fresh_log_once: None,
+) -> None:
+    """Capturing request headers, OTel decodes every one of them after it started the server
+    span: one it cannot decode ended that span in error (OTel's UnicodeDecodeError on it), and
+    the retry traced the request in a second SERVER span."""
+    monkeypatch.setenv("OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_SERVER_REQUEST", "x-request-id")
+    headers = [
+        (b"host", b"test"),
+        (b"x-request-id", b"r-1"),
+        (b"x-file", "D:\\x\\r\xe9sum\xe9.pdf".encode("latin-1")),
+    ]
+    seen: list[Any] = []
+    middleware = ProfilingMiddleware(
+        _serving_app(seen), profiler=None, tracer_provider=tracer_provider
+    )
+    scope = _scope("/", list(headers))
+    messages, raised = asyncio.run(_exchange(middleware, scope))
+    assert raised is None
+    assert [m["type"] for m in messages] == ["http.response.start", "http.response.body"]
+    assert seen == [scope, "sent"]
+    assert seen[0] is scope
+    assert scope["headers"] == headers
+    (span,) = _server_spans(span_exporter)
+    assert span.status.status_code is StatusCode.UNSET
+    assert span.events == ()
+    assert span.attributes is not None
+    assert span.attributes["http.request.header.x_request_id"] == ("r-1",)
+    assert len(log_messages(caplog, "cannot decode")) == 1

@@ -420,6 +420,11 @@ class ProfilingMiddleware:
 
         if self._traced.http_capture_headers_server_response:
             _guard_response_header_capture(self._traced)
+        # Capturing request headers, OTel decodes every one of them inside the server span it
+        # already started: one it cannot decode fails that span (exported, with OTel's own
+        # exception as its error) before the retry traces the request in a second one. Such
+        # headers are hidden from OTel from the first attempt instead.
+        self._sanitize_first = bool(self._traced.http_capture_headers_server_request)
 
     @property
     def profiler(self) -> ProfilerBackend | None:
@@ -527,6 +532,11 @@ class ProfilingMiddleware:
                 # The request as sent, then (if OTel failed before reaching the app) once more
                 # with what OTel cannot decode hidden from it, then the app untraced.
                 attempt: Scope | None = scope
+                if self._sanitize_first:
+                    hidden = _sanitized(scope)
+                    if hidden is not None:
+                        _log_otel_failure_before_app(hidden)
+                        attempt = hidden
                 while attempt is not None:
                     try:
                         await self._traced(attempt, receive, send)
