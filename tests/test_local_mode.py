@@ -17,6 +17,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 import urllib.error
@@ -1304,3 +1305,36 @@ def test_cli_refuses_a_port_out_of_range(option: str, capsys: pytest.CaptureFixt
     assert f"argument {option}: expected a port number 0-65535, got 70000" in (
         capsys.readouterr().err
     )
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def test_a_wsgi_app_listens_on_an_ipv6_host_with_a_bracketed_url() -> None:
+    """`--host ::1` serves a WSGI app as it serves an ASGI one (wsgiref's server is IPv4 only:
+    it failed with "Address family for hostname not supported"), and the app's URL brackets
+    the address (it printed http://::1:PORT)."""
+    require(_ipv6_loopback(), "an IPv6 loopback address (::1)")
+
+    def hello(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"hello"]
+
+    local = LocalMode(host="::1", port=0, ui_port=0, environ={})
+    with local:
+        local.listen(hello, "wsgi")
+        assert local.app_url == f"http://[::1]:{local.port}"
+        serving = threading.Thread(target=local.serve, args=(hello, "wsgi"))
+        serving.start()
+        try:
+            assert httpx.get(local.app_url + "/", timeout=10).text == "hello"
+        finally:
+            local.request_stop()
+            serving.join(10)
+        assert not serving.is_alive()

@@ -97,6 +97,16 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     allow_reuse_address = True
 
 
+class _ThreadingWSGIServer6(_ThreadingWSGIServer):
+    address_family = socket.AF_INET6
+
+
+def _wsgi_server_class(host: str) -> type[_ThreadingWSGIServer]:
+    # wsgiref's server is AF_INET: an IPv6 host ("::1") fails with "Address family for
+    # hostname not supported", where the ASGI socket and the page bind it.
+    return _ThreadingWSGIServer6 if ":" in host else _ThreadingWSGIServer
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         return  # local mode prints its own summary; access logs drown the URL
@@ -265,7 +275,7 @@ class LocalMode:
                     self.host,
                     self.port,
                     app,
-                    server_class=_ThreadingWSGIServer,
+                    server_class=_wsgi_server_class(self.host),
                     handler_class=_QuietHandler,
                 )
                 self.port = self._wsgi_server.server_port
@@ -350,6 +360,8 @@ class LocalMode:
     def app_url(self) -> str:
         """Where the app answers."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        if ":" in host:  # an IPv6 address: bracketed in a URL, as the page's own URL is
+            host = f"[{host}]"
         return f"http://{host}:{self.port}"
 
     @property
@@ -407,7 +419,7 @@ class LocalMode:
         if detect_interface(app) != "wsgi":
             raise ValueError("serve_in_thread: only WSGI apps can run beside the main app")
         server = make_server(
-            host, port, app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler
+            host, port, app, server_class=_wsgi_server_class(host), handler_class=_QuietHandler
         )
         thread = threading.Thread(
             target=server.serve_forever,
@@ -422,7 +434,7 @@ class LocalMode:
             server.server_close()
 
         self._companions.append(stop)
-        return f"http://{host}:{server.server_port}"
+        return f"http://{f'[{host}]' if ':' in host else host}:{server.server_port}"
 
     def _flush_profiler(self) -> None:
         # ASGI lifespan shutdown already flushed; a WSGI server has no shutdown event, so send
