@@ -49,6 +49,7 @@ from spanprof._local import (
     import_app,
 )
 from spanprof._local._cli import main as cli_main
+from spanprof._local._compare import SloComparison
 from spanprof._local._receiver import ReceivedPush
 from spanprof._local._slo import policy_env, policy_from
 from spanprof._local._ui import _tree_json
@@ -71,6 +72,7 @@ from spanprof._profiling._encoders._push import (
     encode_push_request,
 )
 from spanprof._profiling._window import Frame
+from spanprof._web._routes import span_name_label
 
 from .conftest import require
 from .e2e.markers import MARKER_PREFIX, MARKERS
@@ -694,6 +696,33 @@ def test_span_store_judges_unmarked_spans_by_route_slo() -> None:
     assert [r.threshold_s for r in breaches] == [0.5, 0.25]
     assert {r.verdict_source for r in breaches} == {"local"}
     assert store.request_count() == 4
+
+
+@pytest.mark.parametrize(
+    "route", ["/files/<any(json,xml):fmt>", "/caf\u00e9/{item_id}", "/q/{k}=" + "x" * 300]
+)
+def test_comparison_counts_the_requests_of_a_route_its_label_had_to_sanitize(route: str) -> None:
+    """The comparison's route is the ``span_name`` label; its requests are counted under it too.
+
+    The label replaces ``,``, ``=``, quotes and non-ASCII and cuts at 256 characters: counted
+    under the raw span name, such a route had 0 requests per side and every number 0.
+    """
+    store = SpanStore(policy_from({}, slo="0.05"))
+    provider = TracerProvider()
+    provider.add_span_processor(store)
+    comparison = SloComparison()
+    label = span_name_label(f"GET {route}")  # what the middleware labels the samples with
+    for seconds, side in ((0.1, "breached"), (0.01, "ok"), (0.01, "ok")):
+        _span(provider, route, seconds)
+        comparison.add((Frame("work", "app.py", 1),), 4_000_000, label, side)
+    ui = UiServer(store, SampleStore(), comparison=comparison)
+    _, body, _, _ = ui._compare({})
+    [listed] = json.loads(body)["routes"]
+    assert listed["route"] == label
+    assert listed["requests"] == {"breached": 1, "ok": 2}
+    _, body, _, _ = ui._compare({"route": label})
+    [work] = json.loads(body)["functions"]
+    assert (work["breached_us"], work["ok_us"]) == (4000.0, 4000.0)
 
 
 def test_span_store_keeps_bounded_traces() -> None:

@@ -17,6 +17,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.trace import SpanKind
 
+from .._labels._labelset import sanitize_value
 from ._slo import SloPolicy, judge
 
 __all__ = ["SpanRecord", "SpanStore"]
@@ -220,9 +221,12 @@ class SpanStore(SpanProcessor):
                     self._evicted_requests += 1
                 if record.breached:
                     self._breaches.append(record)
-                counts = self._verdicts.get(record.name)
+                # The comparison's routes are the samples' ``span_name`` labels: the span name
+                # sanitized (``,``, ``=``, quotes, non-ASCII replaced; cut to 256), keyed alike.
+                name = sanitize_value(record.name)
+                counts = self._verdicts.get(name)
                 if counts is None and len(self._verdicts) < _MAX_ROUTES:
-                    counts = self._verdicts[record.name] = [0, 0]
+                    counts = self._verdicts[name] = [0, 0]
                 if counts is not None:
                     counts[0 if record.breached else 1] += 1
 
@@ -299,7 +303,10 @@ class SpanStore(SpanProcessor):
         return records[:limit]
 
     def verdicts(self, name: str) -> dict[str, int]:
-        """Requests served under span name ``name`` since start, by SLO verdict."""
+        """Requests served under ``name`` since start, by SLO verdict.
+
+        ``name`` is a ``span_name`` profile label: the span name as the label carries it.
+        """
         with self._lock:
             breached, ok = self._verdicts.get(name, (0, 0))
         return {"breached": breached, "ok": ok}
