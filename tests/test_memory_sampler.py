@@ -624,6 +624,50 @@ def test_a_full_buffer_drops_and_counts_samples() -> None:
     assert sum(1 for _ in window.values) <= 64 + 8
 
 
+def test_a_failed_drain_leaves_the_frees_it_had_to_the_next_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A drain that runs out of memory loses its samples (counted), not the frees of blocks
+    an earlier drain handed over: those blocks would stay in use for good."""
+    try:
+        import _testcapi
+    except ImportError:  # CPython's test module: every build spanprof supports ships it
+        _testcapi = None
+    require(_testcapi is not None, "CPython's _testcapi module (to fail a drain's allocations)")
+    from spanprof._profiling._samplers import _memory
+
+    real = _memory._alloc
+    failing = {"once": True}
+
+    class FailingDrain:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        def drain(self, known: object = None) -> object:
+            if not failing["once"]:
+                return real.drain(known)
+            failing["once"] = False
+            _testcapi.set_nomemory(0)  # every allocation fails from here
+            try:
+                return real.drain(known)
+            finally:
+                _testcapi.remove_mem_hooks()
+
+    warm_up()
+    with sampling(sample_bytes=8 * 1024) as sampler:
+        kept = keep_blocks(20_000)
+        sampler.drain()
+        held = total(by_function(sampler.take_window(), "keep_blocks"), 3)
+        assert held > 0.5 * len(kept) * BLOCK
+        del kept
+        monkeypatch.setattr(_memory, "_alloc", FailingDrain())
+        sampler.drain()
+        monkeypatch.setattr(_memory, "_alloc", real)
+        assert sampler.drain_errors == 1
+        window = sampler.take_window()
+    assert total(by_function(window, "keep_blocks"), 3) == 0
+
+
 def test_a_long_drain_lets_other_threads_run_and_keeps_every_sample(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

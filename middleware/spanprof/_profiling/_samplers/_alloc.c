@@ -1849,9 +1849,18 @@ alloc_drain(PyObject *Py_UNUSED(module), PyObject *args)
     Py_DECREF(freed);
     return result;
 fail:
-    /* What was not handed over is released; those samples and frees are lost (counted). */
+    /* What was not handed over is released; those samples are lost (counted). The frees go
+     * to the next drain: the caller holds those blocks in use until it learns of them. */
     n_dropped += retired->nrecords;
-    n_lost_frees += retired->nfreed;
+    for (i = 0; i < retired->nfreed; i++) {
+        if (current->nfreed < max_freed) {
+            current->freed[current->nfreed++] = retired->freed[i];
+        }
+        else {
+            n_lost_frees++;
+        }
+    }
+    retired->nfreed = 0;
     buffer_clear(retired);
     PyMem_RawFree(drained);
     in_module = was_in_module;
