@@ -961,6 +961,59 @@ def test_bad_sample_size_is_a_value_error() -> None:
         MemorySampler(sample_bytes=0)
 
 
+def _intern_failing_once(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
+    """Make the drain's next interning of a stack run out of memory (once, when armed)."""
+    from spanprof._profiling._samplers import _memory
+
+    real = _memory._intern
+    armed = {"fail": False}
+
+    def intern(*args: object) -> int:
+        if armed["fail"]:
+            armed["fail"] = False
+            raise MemoryError
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_memory, "_intern", intern)
+    return armed
+
+
+def test_a_drain_that_fails_while_interning_keeps_the_frees_it_took(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The frees a drain took from C are applied even when interning its samples fails: else
+    the blocks they free would stay in use for good."""
+    armed = _intern_failing_once(monkeypatch)
+    warm_up()
+    with sampling(sample_bytes=8 * 1024) as sampler:
+        kept = keep_blocks(20_000)
+        sampler.drain()
+        del kept
+        drop_blocks(20_000)  # a stack not interned yet
+        armed["fail"] = True
+        with pytest.raises(MemoryError):
+            sampler.drain()
+        window = sampler.take_window()
+    assert total(by_function(window, "keep_blocks"), 3) == 0
+
+
+def test_the_drain_thread_outlives_a_failed_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drain that fails (out of memory) is counted; the drain thread goes on draining."""
+    armed = _intern_failing_once(monkeypatch)
+    warm_up()
+    with sampling(sample_bytes=8 * 1024, drain_interval=0.01) as sampler:
+        armed["fail"] = True
+        drop_blocks(20_000)
+        deadline = time.monotonic() + 10
+        while sampler.drain_errors == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        drains = sampler.drains
+        while sampler.drains == drains and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sampler.drain_errors == 1
+        assert sampler.drains > drains
+
+
 def test_drain_thread_keeps_the_buffer_from_filling() -> None:
     """With its thread draining every 20 ms, a buffer of a quarter second's samples drops
     nothing over a burst of four times that (on a busy machine the drain thread can wait for a

@@ -250,7 +250,15 @@ class MemorySampler:
     def _run(self) -> None:
         ignore_profiler_thread()
         while not self._stop.wait(self.drain_interval):
-            self.drain()
+            try:
+                self.drain()
+            except Exception:  # out of memory mid-drain, say: the next drain goes on
+                self.drain_errors += 1
+                log_once(
+                    "memory-drain-failed",
+                    "spanprof: a drain of the memory sampler failed; the next one goes on "
+                    "(logged once)",
+                )
 
     # --- per span ------------------------------------------------------------------------------
 
@@ -350,6 +358,22 @@ class MemorySampler:
         allocated = self._allocated
         live = self._live
         inuse = self._inuse
+        # The frees first: they are of samples earlier drains handed over (those of this drain's
+        # own samples came as untracked samples), and a failure below (out of memory while
+        # interning) must not lose them, or their blocks would stay in use for good.
+        forget = live.pop
+        for sample_id in freed:
+            entry = forget(sample_id, None)
+            if entry is None:
+                continue
+            key, objects, nbytes = entry
+            total = inuse[key]
+            total[2] -= 1
+            if total[2] <= 0:
+                del inuse[key]
+            else:
+                total[0] -= objects
+                total[1] -= nbytes
         deadline = started + _SLICE_NS
         for first in range(0, len(samples), 32):
             if first and time.perf_counter_ns() > deadline:
@@ -400,19 +424,6 @@ class MemorySampler:
                         total[2] += 1
         if _alloc.check_hooks():
             self._cut_off_locked()
-        forget = live.pop
-        for sample_id in freed:
-            entry = forget(sample_id, None)
-            if entry is None:
-                continue
-            key, objects, nbytes = entry
-            total = inuse[key]
-            total[2] -= 1
-            if total[2] <= 0:
-                del inuse[key]
-            else:
-                total[0] -= objects
-                total[1] -= nbytes
         self.drains += 1
         took = time.perf_counter_ns() - started
         if took > self.max_drain_ns:
