@@ -261,6 +261,27 @@ def test_slo_policy_reads_the_environment() -> None:
     assert SloPolicy.build(slo_seconds=None, route_slos=None, environ={}).default == 0.5
 
 
+def test_an_slo_in_code_that_the_environment_contradicts_is_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`spanprof dev` passes its SLO through the environment, which an SLO in code beats.
+
+    Its page then judges the requests the middleware leaves unmarked (a 0.8 s request against
+    a 2 s SLO) by the environment's 0.5 s: a breach on the page, none in the exemplars or the
+    samples' ``slo`` label. The middleware says so once, naming both.
+    """
+    env = {"SPANPROF_SLO_SECONDS": "0.5", "SPANPROF_ROUTE_SLO": ""}
+    with caplog.at_level("WARNING", logger="spanprof"):
+        ProfilingMiddleware(_app(), profiler=None, slo_seconds=0.5, environ=env)
+        ProfilingMiddleware(_app(), profiler=None, environ=env)
+        assert not caplog.records  # the same SLO, or none in code: nothing to say
+        ProfilingMiddleware(_app(), profiler=None, slo_seconds=2, environ=env)
+        ProfilingMiddleware(_app(), profiler=None, slo=SloPolicy(default=3), environ=env)
+    [record] = caplog.records
+    assert "SPANPROF_SLO_SECONDS" in record.getMessage()
+    assert "code: 2.0 s" in record.getMessage() and "environment: 0.5 s" in record.getMessage()
+
+
 def test_otlp_exporter_carries_the_breach_exemplars(
     tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter
 ) -> None:

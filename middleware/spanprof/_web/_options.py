@@ -21,6 +21,7 @@ from .._config import parse_bool
 from .._env import env_value
 from .._labels._backend import ProfilerBackend
 from .._labels._engine import MECHANISMS, Mechanism, available_mechanisms
+from .._logging import log_once
 from .._profiling._choose import FROM_ENV, FromEnv, choose_profiler
 from .._profiling._runtime import ProfilerRuntime
 from .._signals._duration import DurationRecorder
@@ -148,6 +149,30 @@ class ExcludedUrls:
 _ANY_URLS = ("http://0/", "https://0/", "http://0/x", "http://a/")
 
 
+def _warn_if_environment_differs(slo: SloPolicy, env: Mapping[str, str]) -> None:
+    """The SLO given in code beats ``SPANPROF_SLO_SECONDS``/``SPANPROF_ROUTE_SLO``: say so.
+
+    ``spanprof dev`` passes its SLO to the app through them, and judges the requests the
+    middleware leaves unmarked (under half their threshold) by it: a different SLO in code
+    makes its page disagree with the exemplars and the samples' ``slo`` label.
+    """
+    if not (env_value(env, "SPANPROF_SLO_SECONDS") or env_value(env, "SPANPROF_ROUTE_SLO")):
+        return
+    try:
+        from_env = SloPolicy.build(slo_seconds=None, route_slos=None, environ=env)
+    except ValueError:
+        return  # unused, and the code's SLO stands
+    if from_env != slo:
+        log_once(
+            "slo-env-overridden",
+            "spanprof: the SLO passed in code overrides SPANPROF_SLO_SECONDS/SPANPROF_ROUTE_SLO "
+            f"(code: {slo.default} s, routes {dict(slo.routes)}; environment: "
+            f"{from_env.default} s, routes {dict(from_env.routes)}); under `spanprof dev` the "
+            "page judges short requests by the environment's (logged once)",
+            exc_info=False,
+        )
+
+
 def _excluded(setting: str, value: object) -> ExcludedUrls | None:
     """The patterns of a comma-separated ``value``, or ``None`` when there are none.
 
@@ -232,6 +257,8 @@ class MiddlewareSettings:
             raise ValueError(f"slo: expected a SloPolicy, got {slo!r}")
         elif slo_seconds is not None or route_slos is not None:
             raise ValueError("slo: pass either slo= or slo_seconds=/route_slos=, not both")
+        if options.get("slo") is not None or slo_seconds is not None or route_slos is not None:
+            _warn_if_environment_differs(slo, env)
         prometheus = options.get("prometheus")
         durations = DurationRecorder(
             meter_provider=options.get("meter_provider"),
