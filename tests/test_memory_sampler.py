@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import islice, repeat
+from typing import Any
 
 import pytest
 
@@ -630,20 +631,20 @@ def test_a_failed_drain_leaves_the_frees_it_had_to_the_next_one(
     """A drain that runs out of memory loses its samples (counted), not the frees of blocks
     an earlier drain handed over: those blocks would stay in use for good."""
     try:
-        import _testcapi
+        _testcapi: Any = importlib.import_module("_testcapi")
     except ImportError:  # CPython's test module: every build spanprof supports ships it
         _testcapi = None
     require(_testcapi is not None, "CPython's _testcapi module (to fail a drain's allocations)")
+    from spanprof._profiling._samplers import _alloc as real
     from spanprof._profiling._samplers import _memory
 
-    real = _memory._alloc
     failing = {"once": True}
 
     class FailingDrain:
         def __getattr__(self, name: str) -> object:
             return getattr(real, name)
 
-        def drain(self, known: object = None) -> object:
+        def drain(self, known: dict[bytes, Any] | None = None) -> object:
             if not failing["once"]:
                 return real.drain(known)
             failing["once"] = False

@@ -367,13 +367,13 @@ class MemorySampler:
             if entry is None:
                 continue
             key, objects, nbytes = entry
-            total = inuse[key]
-            total[2] -= 1
-            if total[2] <= 0:
+            held = inuse[key]
+            held[2] -= 1
+            if held[2] <= 0:
                 del inuse[key]
             else:
-                total[0] -= objects
-                total[1] -= nbytes
+                held[0] -= objects
+                held[1] -= nbytes
         deadline = started + _SLICE_NS
         for first in range(0, len(samples), 32):
             if first and time.perf_counter_ns() > deadline:
