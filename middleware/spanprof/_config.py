@@ -20,11 +20,23 @@ __all__ = [
     "parse_seconds",
     "parse_server_address",
     "redact_url",
+    "shown_value",
     "split_credentials",
     "url_problem",
 ]
 
 _SECONDS_RE = re.compile(r"\s*(\d+)\s*(s)?\s*\Z")
+
+
+def shown_value(value: object) -> str:
+    """``repr(value)`` for an error message, or the size of an int too long for ``repr``.
+
+    ``repr()`` of an int past 4300 digits raises a ValueError that names no setting; such a
+    value is out of every range a setting takes.
+    """
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"<an integer of {value.bit_length()} bits>"
+    return repr(value)
 
 
 def parse_seconds(name: str, value: str, *, minimum: int = 1, maximum: int = 3600) -> int:

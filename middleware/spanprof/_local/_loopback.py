@@ -6,7 +6,7 @@ import sys
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["LoopbackServer"]
+__all__ = ["LoopbackServer", "url_host"]
 
 
 class LoopbackServer(ThreadingHTTPServer):
@@ -31,3 +31,8 @@ class LoopbackServer(ThreadingHTTPServer):
     def report_error(self, request: Any, client_address: Any) -> None:
         """Called in the ``except`` block of a failure other than a hang-up."""
         super().handle_error(request, client_address)
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL's host part: an IPv6 address bracketed (``::1`` -> ``[::1]``)."""
+    return f"[{host}]" if ":" in host else host

@@ -32,6 +32,7 @@ from .._env import env_value
 from .._logging import logger
 from .._profiling._runtime import stop_started
 from ._compare import SloComparison
+from ._loopback import url_host
 from ._memory import MemoryStore
 from ._receiver import PushReceiver, ReceivedPush
 from ._samples import SampleStore
@@ -360,9 +361,7 @@ class LocalMode:
     def app_url(self) -> str:
         """Where the app answers."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        if ":" in host:  # an IPv6 address: bracketed in a URL, as the page's own URL is
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        return f"http://{url_host(host)}:{self.port}"
 
     @property
     def ui_url(self) -> str:
@@ -434,7 +433,7 @@ class LocalMode:
             server.server_close()
 
         self._companions.append(stop)
-        return f"http://{f'[{host}]' if ':' in host else host}:{server.server_port}"
+        return f"http://{url_host(host)}:{server.server_port}"
 
     def _flush_profiler(self) -> None:
         # ASGI lifespan shutdown already flushed; a WSGI server has no shutdown event, so send

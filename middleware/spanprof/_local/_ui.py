@@ -42,7 +42,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from .._logging import log_once
 from ._compare import SloComparison, compare_sides
-from ._loopback import LoopbackServer
+from ._loopback import LoopbackServer, url_host
 from ._memory import MEMORY_KINDS, MEMORY_UNITS
 from ._samples import SampleStore
 from ._slo import describe
@@ -345,7 +345,7 @@ class UiServer:
     @property
     def url(self) -> str:
         """The page's URL (on a wildcard bind, its loopback one)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = url_host(self.host)
         if host in ("0.0.0.0", "[::]"):
             host = "127.0.0.1"
         return f"http://{host}:{self.port}/"

@@ -18,6 +18,7 @@ from .._config import (
     parse_seconds,
     parse_server_address,
     redact_url,
+    shown_value,
     split_credentials,
 )
 from .._env import env_value
@@ -76,8 +77,8 @@ class PyroscopeSettings:
         _check_credential("basic_auth_username", user, colon=False)
         _check_credential("basic_auth_password", password, colon=True)
         name = _application_name("application_name", self.application_name)
-        interval = parse_seconds("upload_interval", _int_text(self.upload_interval))
-        rate = parse_int("sample_rate", _int_text(self.sample_rate), minimum=1, maximum=1000)
+        interval = parse_seconds("upload_interval", shown_value(self.upload_interval))
+        rate = parse_int("sample_rate", shown_value(self.sample_rate), minimum=1, maximum=1000)
         parse_header_value("tenant_id", self.tenant_id)
         tags = parse_labels("tags", self.tags)
         # Frozen, so the normalized values (no trailing slash, sanitized tags) go in this way.
@@ -157,12 +158,6 @@ class PyroscopeSettings:
     def arguments(self) -> SettingsArguments:
         """The settings as keyword arguments for ``PyroscopeBackend`` or ``ExactBackend``."""
         return cast(SettingsArguments, asdict(self))
-
-
-def _int_text(value: int) -> str:
-    # str() of an int past 4300 digits raises a ValueError that names no setting; such a value
-    # is out of every range here, and is shown by its size instead.
-    return str(value) if value.bit_length() <= 64 else f"<an integer of {value.bit_length()} bits>"
 
 
 def _check_type(name: str, value: object, expected: type) -> None:

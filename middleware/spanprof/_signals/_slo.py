@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .._config import shown_value
 from .._env import env_value
 
 __all__ = ["DEFAULT_SLO_SECONDS", "SloPolicy"]
@@ -28,13 +29,7 @@ def _threshold(setting: str, value: object, *, text: bool = False) -> float:
     except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
         number = math.nan
     if not math.isfinite(number) or number <= 0:
-        # repr() of an int past 4300 digits would raise a ValueError naming nothing.
-        shown = (
-            f"<an integer of {value.bit_length()} bits>"
-            if isinstance(value, int) and value.bit_length() > 64
-            else repr(value)
-        )
-        raise ValueError(f"{setting}={shown}: expected a positive number of seconds")
+        raise ValueError(f"{setting}={shown_value(value)}: expected a positive number of seconds")
     return number
 
 

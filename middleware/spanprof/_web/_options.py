@@ -251,13 +251,14 @@ class MiddlewareSettings:
             trace_id_label = parse_bool("SPANPROF_TRACE_ID_LABEL", raw)
         slo = options.get("slo")
         slo_seconds, route_slos = options.get("slo_seconds"), options.get("route_slos")
+        slo_in_code = slo is not None or slo_seconds is not None or route_slos is not None
         if slo is None:
             slo = SloPolicy.build(slo_seconds=slo_seconds, route_slos=route_slos, environ=env)
         elif not isinstance(slo, SloPolicy):
             raise ValueError(f"slo: expected a SloPolicy, got {slo!r}")
         elif slo_seconds is not None or route_slos is not None:
             raise ValueError("slo: pass either slo= or slo_seconds=/route_slos=, not both")
-        if options.get("slo") is not None or slo_seconds is not None or route_slos is not None:
+        if slo_in_code:
             _warn_if_environment_differs(slo, env)
         prometheus = options.get("prometheus")
         durations = DurationRecorder(
