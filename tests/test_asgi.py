@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
+from collections.abc import MutableMapping
 from typing import Any
 
 import httpx
@@ -618,32 +620,20 @@ def test_a_failure_to_label_never_fails_the_request(
     assert len([r for r in caplog.records if "labelling a request" in r.getMessage()]) == 1
 
 
-@pytest.mark.parametrize("first_sampled", [True, False])
-def test_a_pipelined_request_started_from_the_previous_ones_send_gets_its_own_span(
-    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter, first_sampled: bool
-) -> None:
-    """uvicorn's h11 protocol starts the next pipelined request's task from inside the previous
-    request's last send, so it inherits that request's context, ended server span included.
-    It must get a span of its own (10 pipelined requests gave 1 span), labels its own too, in
-    the trace its own traceparent names. A sampled-out first request leaves a span that never
-    looks ended (not an SDK span): the second request was an INTERNAL child in its trace."""
-    import contextvars
-    from collections.abc import MutableMapping
+def _pipelined_scope(path: str, *headers: tuple[bytes, bytes]) -> dict[str, Any]:
+    """A GET of ``path`` as uvicorn's h11 protocol scopes it, with ``headers`` after Host."""
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+        "headers": [(b"host", b"testserver"), *headers], "server": ("testserver", 80),
+        "client": ("127.0.0.1", 5000), "root_path": "",
+    }  # fmt: skip
 
-    app = ProfilingMiddleware(build_app(), profiler=None, tracer_provider=tracer_provider)
-    first_trace, second_trace = (
-        "0af7651916cd43dd8448eb211c80319c",
-        "4bf92f3577b34da6a3ce929d0e0e4736",
-    )
 
-    def scope(path: str, trace_id: str, sampled: bool) -> dict[str, Any]:
-        traceparent = f"00-{trace_id}-b7ad6b7169203331-{'01' if sampled else '00'}"
-        return {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
-            "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-            "headers": [(b"host", b"testserver"), (b"traceparent", traceparent.encode())],
-            "server": ("testserver", 80), "client": ("127.0.0.1", 5000), "root_path": "",
-        }  # fmt: skip
+def _pipelined(app: Any, first: dict[str, Any], second: dict[str, Any]) -> list[dict[str, Any]]:
+    """Serve ``first``, then ``second`` as uvicorn's h11 protocol starts a pipelined request:
+    its task made inside ``first``'s last send, in a copy of that send's context. The bodies,
+    decoded."""
 
     async def receive() -> MutableMapping[str, Any]:
         return {"type": "http.request", "body": b"", "more_body": False}
@@ -658,13 +648,36 @@ def test_a_pipelined_request_started_from_the_previous_ones_send_gets_its_own_sp
                 if not message.get("more_body"):
                     inherited.append(contextvars.copy_context())
 
-        await app(scope("/items/1", first_trace, first_sampled), receive, send)
+        await app(first, receive, send)
         loop = asyncio.get_running_loop()
-        second_request = app(scope("/items/2", second_trace, True), receive, send)
-        await inherited[0].run(loop.create_task, second_request)
+        await inherited[0].run(loop.create_task, app(second, receive, send))
         return [json.loads(body) for body in bodies if body]
 
-    first, second = asyncio.run(main())
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("first_sampled", [True, False])
+def test_a_pipelined_request_started_from_the_previous_ones_send_gets_its_own_span(
+    tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter, first_sampled: bool
+) -> None:
+    """uvicorn's h11 protocol starts the next pipelined request's task from inside the previous
+    request's last send, so it inherits that request's context, ended server span included.
+    It must get a span of its own (10 pipelined requests gave 1 span), labels its own too, in
+    the trace its own traceparent names. A sampled-out first request leaves a span that never
+    looks ended (not an SDK span): the second request was an INTERNAL child in its trace."""
+    app = ProfilingMiddleware(build_app(), profiler=None, tracer_provider=tracer_provider)
+    first_trace, second_trace = (
+        "0af7651916cd43dd8448eb211c80319c",
+        "4bf92f3577b34da6a3ce929d0e0e4736",
+    )
+
+    def scope(path: str, trace_id: str, sampled: bool) -> dict[str, Any]:
+        traceparent = f"00-{trace_id}-b7ad6b7169203331-{'01' if sampled else '00'}"
+        return _pipelined_scope(path, (b"traceparent", traceparent.encode()))
+
+    first, second = _pipelined(
+        app, scope("/items/1", first_trace, first_sampled), scope("/items/2", second_trace, True)
+    )
     spans = _server_spans(span_exporter)
     assert len(span_exporter.get_finished_spans()) == len(spans)  # no INTERNAL spans
     assert [format(s.context.trace_id, "032x") for s in spans] == (
@@ -684,44 +697,15 @@ def test_a_pipelined_excluded_request_does_not_run_with_the_previous_requests_la
     starts its task inside the previous request's last send). An excluded one ran there: its
     code (and its children's) carried the previous request's span_id, and its OTel spans were
     children of the previous request's ended span."""
-    import contextvars
-    from collections.abc import MutableMapping
-
     app = ProfilingMiddleware(
         build_app(recorder),
         profiler=None,
         tracer_provider=tracer_provider,
         excluded_urls="/items/health",
     )
-
-    def scope(path: str) -> dict[str, Any]:
-        return {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
-            "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-            "headers": [(b"host", b"testserver")], "server": ("testserver", 80),
-            "client": ("127.0.0.1", 5000), "root_path": "",
-        }  # fmt: skip
-
-    async def receive() -> MutableMapping[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def main() -> list[dict[str, Any]]:
-        bodies: list[bytes] = []
-        inherited: list[contextvars.Context] = []
-
-        async def send(message: MutableMapping[str, Any]) -> None:
-            if message["type"] == "http.response.body":
-                bodies.append(message.get("body", b""))
-                if not message.get("more_body"):
-                    inherited.append(contextvars.copy_context())
-
-        await app(scope("/items/1"), receive, send)
-        loop = asyncio.get_running_loop()
-        excluded_request = app(scope("/items/health"), receive, send)
-        await inherited[0].run(loop.create_task, excluded_request)
-        return [json.loads(body) for body in bodies if body]
-
-    first, excluded = asyncio.run(main())
+    first, excluded = _pipelined(
+        app, _pipelined_scope("/items/1"), _pipelined_scope("/items/health")
+    )
     assert first["labels"]["span_name"] == "GET /items/{item_id}"
     for snapshot in (excluded, excluded["child"], excluded["pool"]):
         assert snapshot["labels"] == {}

@@ -284,21 +284,27 @@ def test_a_huge_answer_is_not_read_whole(kind: Kind) -> None:
     assert sent[0] < 32 * 1024 * 1024, sent[0]
 
 
-def test_stop_cuts_an_upload_in_flight_to_the_flush_budget(kind: Kind) -> None:
-    """stop() during an upload to a server that never answers returns within flush_timeout."""
-    with faulty_endpoint("hang") as address:
-        exporter = kind.make(address + kind.path, timeout=30.0, flush_timeout=0.5)
-        exporter.start(CountingWindows())
-        time.sleep(0.4)  # the first upload is waiting for its answer now
-        started = time.monotonic()
-        thread = exporter._thread
-        exporter.stop()
-        took = time.monotonic() - started
+def _assert_stop_cuts_the_first_upload_to_the_flush_budget(kind: Kind, url: str) -> None:
+    """stop() 0.4 s into the first upload to ``url`` (one that never completes) returns within
+    the 0.5 s flush budget, its thread gone and the window dropped."""
+    exporter = kind.make(url, timeout=30.0, flush_timeout=0.5)
+    exporter.start(CountingWindows())
+    time.sleep(0.4)  # the first upload is under way now
+    started = time.monotonic()
+    thread = exporter._thread
+    exporter.stop()
+    took = time.monotonic() - started
     assert thread is not None
     assert not thread.is_alive()
     # The upload in flight and the flush share the 0.5 s budget (plus one 0.25 s wait slice).
     assert took < 1.2, took
     assert kind.stat(exporter, "dropped") >= 1
+
+
+def test_stop_cuts_an_upload_in_flight_to_the_flush_budget(kind: Kind) -> None:
+    """stop() during an upload to a server that never answers returns within flush_timeout."""
+    with faulty_endpoint("hang") as address:
+        _assert_stop_cuts_the_first_upload_to_the_flush_budget(kind, address + kind.path)
 
 
 @pytest.fixture
@@ -334,17 +340,7 @@ def test_stop_cuts_an_upload_still_connecting_to_the_flush_budget(
     the thread with it: a connect timeout, fixed when the connect starts, would hold them for
     the whole 30 s upload timeout."""
     address = black_hole.replace("http://", f"{scheme}://", 1)
-    exporter = kind.make(address + kind.path, timeout=30.0, flush_timeout=0.5)
-    exporter.start(CountingWindows())
-    time.sleep(0.4)  # the first upload is connecting now
-    started = time.monotonic()
-    thread = exporter._thread
-    exporter.stop()
-    took = time.monotonic() - started
-    assert thread is not None
-    assert not thread.is_alive()
-    assert took < 1.2, took
-    assert kind.stat(exporter, "dropped") >= 1
+    _assert_stop_cuts_the_first_upload_to_the_flush_budget(kind, address + kind.path)
 
 
 def test_stop_cuts_an_upload_in_its_tls_handshake_to_the_flush_budget(kind: Kind) -> None:
@@ -352,14 +348,4 @@ def test_stop_cuts_an_upload_in_its_tls_handshake_to_the_flush_budget(kind: Kind
     flush_timeout: the handshake waits in slices too."""
     with faulty_endpoint("hang") as address:
         url = address.replace("http://", "https://", 1) + kind.path
-        exporter = kind.make(url, timeout=30.0, flush_timeout=0.5)
-        exporter.start(CountingWindows())
-        time.sleep(0.4)  # the first upload is in its TLS handshake now
-        started = time.monotonic()
-        thread = exporter._thread
-        exporter.stop()
-        took = time.monotonic() - started
-    assert thread is not None
-    assert not thread.is_alive()
-    assert took < 1.2, took
-    assert kind.stat(exporter, "dropped") >= 1
+        _assert_stop_cuts_the_first_upload_to_the_flush_budget(kind, url)

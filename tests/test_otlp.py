@@ -1103,18 +1103,25 @@ def _require_grpc() -> None:
     require(grpc_available(), "grpcio (the grpc extra) is not installed")
 
 
+def _grpc_export_one_window(receiver: GrpcProfilesReceiver) -> OtlpExporter:
+    """An exporter to ``receiver`` that sends one window (retried as the answers say) and is
+    stopped once the receiver has accepted it, or after 10 s."""
+    exporter = _grpc_exporter(receiver.port)
+    windows = iter([_window((_labels(0), 10_000_000))])
+    exporter.start(lambda: next(windows, Window(time.time_ns(), StackTables())))
+    deadline = time.monotonic() + 10
+    while not receiver.requests and time.monotonic() < deadline:
+        time.sleep(0.02)
+    exporter.stop()
+    return exporter
+
+
 def test_grpc_export_sends_the_same_request_and_retries_by_the_otlp_grpc_rules() -> None:
     """UNAVAILABLE is retried with back-off, RESOURCE_EXHAUSTED after its RetryInfo delay; the
     request decodes with the generated classes; headers arrive as metadata."""
     _require_grpc()
     with GrpcProfilesReceiver(["unavailable", "exhausted"]) as receiver:
-        exporter = _grpc_exporter(receiver.port)
-        windows = iter([_window((_labels(0), 10_000_000))])
-        exporter.start(lambda: next(windows, Window(time.time_ns(), StackTables())))
-        deadline = time.monotonic() + 10
-        while not receiver.requests and time.monotonic() < deadline:
-            time.sleep(0.02)
-        exporter.stop()
+        exporter = _grpc_export_one_window(receiver)
     stats = exporter.stats()
     assert (stats["otlp_failures"], stats["otlp_retries"], stats["otlp_uploads"]) == (2, 2, 1)
     (request,) = receiver.requests
@@ -1131,13 +1138,7 @@ def test_grpc_export_waits_as_long_as_the_retry_info_of_an_unavailable_says() ->
     a 503's Retry-After is, not after the back-off (0.05 s)."""
     _require_grpc()
     with GrpcProfilesReceiver(["throttled"]) as receiver:
-        exporter = _grpc_exporter(receiver.port)
-        windows = iter([_window((_labels(0), 10_000_000))])
-        exporter.start(lambda: next(windows, Window(time.time_ns(), StackTables())))
-        deadline = time.monotonic() + 10
-        while not receiver.requests and time.monotonic() < deadline:
-            time.sleep(0.02)
-        exporter.stop()
+        exporter = _grpc_export_one_window(receiver)
     stats = exporter.stats()
     assert (stats["otlp_failures"], stats["otlp_retries"], stats["otlp_uploads"]) == (1, 1, 1)
     throttled, accepted = receiver.times
