@@ -303,11 +303,11 @@ def test_no_profiler_at_all_is_one_clear_warning_and_requests_are_served(tmp_pat
 
 
 @pytest.mark.e2e
+@pytest.mark.needs_agent
 @pytest.mark.timeout(60)
 def test_auto_keeps_pyroscope_io_on_a_threaded_server_and_says_why(tmp_path: Path) -> None:
     """With the agent installed, auto runs pyroscope-io for pool-thread requests, at INFO."""
     require(LINUX, "the exact sampler needs Linux thread CPU clocks")
-    pytest.importorskip("pyroscope")
     with PushReceiver() as receiver:
         proc = _serve(tmp_path, receiver.url)
     assert proc.returncode == 0, proc.stderr
@@ -322,6 +322,7 @@ def test_auto_keeps_pyroscope_io_on_a_threaded_server_and_says_why(tmp_path: Pat
 
 
 @pytest.mark.e2e
+@pytest.mark.needs_agent
 @pytest.mark.timeout(60)
 def test_auto_samples_a_threaded_server_exactly_when_the_wall_clock_is_asked_for(
     tmp_path: Path,
@@ -330,7 +331,6 @@ def test_auto_samples_a_threaded_server_exactly_when_the_wall_clock_is_asked_for
     prefer pyroscope-io on a threaded server (as with OTLP); it used to run the agent, which
     sent CPU profiles, with no word of the wall clock asked for."""
     require(LINUX, "the exact sampler needs Linux thread CPU clocks")
-    pytest.importorskip("pyroscope")
     with PushReceiver() as receiver:
         proc = _serve(tmp_path, receiver.url, SPANPROF_PROFILE_CLOCK="wall")
     assert proc.returncode == 0, proc.stderr
